@@ -1,0 +1,1 @@
+"""Recipe -> mergekit configuration -> merged HF checkpoint, checked tensor by tensor."""

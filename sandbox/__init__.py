@@ -1,0 +1,1 @@
+"""Isolated python execution for the TIR harness (network-less, resource-limited, warm pool)."""

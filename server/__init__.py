@@ -1,0 +1,1 @@
+"""The runtime: engine protocol and backends (embedded, trtllm, triton), and the solver above them."""

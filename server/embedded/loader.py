@@ -1,0 +1,114 @@
+"""Load an HF checkpoint folder for the embedded runtime: bf16, or a ModelOpt FP8 / W8A16 export.
+
+For quantized exports the model skeleton comes from config.json (without its quantization block),
+the unquantized tensors load as usual, and every quantized Linear is replaced by a layer that
+applies the exported scales (server/embedded/qlinear.py).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from server.embedded.qlinear import Fp8Linear, Int8WeightOnlyLinear
+
+QUANT_CONFIG = "hf_quant_config.json"
+
+
+def quant_algo(model_dir: Path) -> str | None:
+    """'FP8', 'W8A16', ... as written by ModelOpt, or None for an unquantized checkpoint."""
+    p = Path(model_dir) / QUANT_CONFIG
+    if not p.is_file():
+        return None
+    return json.loads(p.read_text())["quantization"]["quant_algo"]
+
+
+def _read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors files")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        tensors.update(load_file(str(f)))
+    return tensors
+
+
+def _set_module(root: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(root.get_submodule(parent_name) if parent_name else root, child, module)
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> Any:
+    """A ready-to-run causal LM (eval mode) with quantization scales applied."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_dir = Path(model_dir)
+    algo = quant_algo(model_dir)
+    if algo is None:
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+        return model.eval()
+    if algo not in ("FP8", "W8A16"):
+        raise ValueError(f"{model_dir / QUANT_CONFIG}: quant_algo {algo!r} is not supported by the embedded runtime")
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    tensors = _read_tensors(model_dir)
+    plain: dict[str, torch.Tensor] = {}
+    replaced = 0
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        w = tensors.get(f"{name}.weight")
+        if w is None or w.dtype not in (torch.int8, torch.float8_e4m3fn):
+            continue
+        bias = tensors.pop(f"{name}.bias", None)
+        scale = tensors.pop(f"{name}.weight_scale", None)
+        if scale is None:
+            raise ValueError(f"{model_dir}: {name}.weight is {w.dtype} but {name}.weight_scale is missing")
+        if w.dtype == torch.int8:
+            q: torch.nn.Module = Int8WeightOnlyLinear(w, scale, bias, dtype)
+        else:
+            q = Fp8Linear(w, scale, tensors.pop(f"{name}.input_scale", None), bias, dtype)
+        del tensors[f"{name}.weight"]
+        _set_module(model, name, q)
+        replaced += 1
+    if replaced == 0:
+        raise ValueError(f"{model_dir}: {QUANT_CONFIG} says {algo} but no quantized weights were found")
+    for k, v in tensors.items():
+        if k.endswith(("_scale", "_amax")):
+            continue  # e.g. KV-cache scales: the embedded runtime keeps its KV cache in bf16
+        plain[k] = v.to(dtype) if v.is_floating_point() else v
+    missing, unexpected = model.load_state_dict(plain, strict=False, assign=True)
+    if unexpected:
+        raise ValueError(f"{model_dir}: tensors the model does not have: {unexpected[:5]}")
+    tied = set(getattr(model, "_tied_weights_keys", None) or {})
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
+        missing = [m for m in missing if m != "lm_head.weight" and m not in tied]
+    # Buffers computed at init (e.g. rotary inv_freq) are not in checkpoints; rebuild them for real.
+    _materialize_buffers(model, config, dtype)
+    still_meta = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing and still_meta:
+        raise ValueError(f"{model_dir}: tensors missing from the checkpoint: {still_meta[:5]}")
+    return model.eval()
+
+
+def _materialize_buffers(model: torch.nn.Module, config: Any, dtype: torch.dtype) -> None:
+    """Re-create non-persistent buffers left on the meta device (rotary embeddings)."""
+    for name, module in model.named_modules():
+        metas = [b for b, t in module.named_buffers(recurse=False) if t is not None and t.is_meta]
+        if not metas:
+            continue
+        fresh = type(module)(config=config) if "rotary" in type(module).__name__.lower() else None
+        if fresh is None:
+            raise ValueError(f"cannot materialize buffers {metas} of {name} ({type(module).__name__})")
+        for b in metas:
+            setattr(module, b, getattr(fresh, b))

@@ -1,0 +1,86 @@
+"""Linear layers that execute ModelOpt's quantized exports with their scales applied.
+
+transformers loads a ModelOpt HF export without applying `weight_scale` (silently wrong weights),
+so the embedded runtime replaces each quantized Linear with one of these.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+class Int8WeightOnlyLinear(torch.nn.Module):
+    """W8A16: int8 weights with a per-output-channel scale, activations in bf16/fp16.
+
+    Weights stay int8 in memory (half of bf16). On CPU the GEMM is torch's int8-weight kernel
+    (`_weight_int8pack_mm`), which dequantizes inside the kernel; elsewhere the int8 weight is
+    widened per call, which gives the same numbers.
+    """
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+        super().__init__()
+        if weight.dtype != torch.int8 or weight.ndim != 2:
+            raise ValueError(f"expected a 2-D int8 weight, got {weight.dtype} {tuple(weight.shape)}")
+        scale = scale.reshape(-1)
+        if scale.numel() != weight.shape[0]:
+            raise ValueError(f"weight_scale has {scale.numel()} values for {weight.shape[0]} output channels")
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.register_buffer("weight", weight.contiguous())
+        self.register_buffer("scale", scale.to(dtype).contiguous())
+        self.register_buffer("bias", None if bias is None else bias.to(dtype))
+        self._fused = hasattr(torch, "_weight_int8pack_mm")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).to(self.scale.dtype)
+        if self._fused and x2.device.type == "cpu":
+            y = torch._weight_int8pack_mm(x2, self.weight, self.scale)
+        else:
+            y = F.linear(x2, self.weight.to(x2.dtype)) * self.scale
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape, self.out_features).to(x.dtype)
+
+    def dequantized(self) -> torch.Tensor:
+        return self.weight.float() * self.scale.float()[:, None]
+
+
+class Fp8Linear(torch.nn.Module):
+    """FP8 (e4m3) weights and activations with per-tensor scales, as TensorRT-LLM runs FP8.
+
+    CPUs have no fast FP8 GEMM, so this emulates it exactly: inputs are quantized to e4m3 with the
+    calibrated `input_scale`, the e4m3 values of both operands are held in bf16 (which represents
+    every e4m3 value exactly), multiplied with fp32 accumulation, and the product of the two scales
+    is applied to the result. Numerics match FP8; memory and speed do not (bf16-sized weights).
+    """
+
+    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None,
+                 bias: torch.Tensor | None, dtype: torch.dtype):
+        super().__init__()
+        if weight.dtype != torch.float8_e4m3fn or weight.ndim != 2:
+            raise ValueError(f"expected a 2-D float8_e4m3fn weight, got {weight.dtype} {tuple(weight.shape)}")
+        if weight_scale.numel() != 1 or (input_scale is not None and input_scale.numel() != 1):
+            raise ValueError("only per-tensor FP8 scales are supported (ModelOpt FP8_DEFAULT_CFG)")
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.dtype = dtype
+        self.register_buffer("weight_e4m3", weight.to(torch.bfloat16))  # exact
+        self.register_buffer("weight_scale", weight_scale.float().reshape(()))
+        self.register_buffer("input_scale", None if input_scale is None else input_scale.float().reshape(()))
+        self.register_buffer("bias", None if bias is None else bias.to(dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = self.weight_scale
+        if self.input_scale is not None:
+            xq = (x.float() / self.input_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+            x = xq.to(torch.bfloat16)
+            scale = scale * self.input_scale
+        y = F.linear(x.to(torch.bfloat16), self.weight_e4m3).float() * scale
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.to(self.dtype)
+
+    def dequantized(self) -> torch.Tensor:
+        return self.weight_e4m3.float() * self.weight_scale

@@ -1,0 +1,25 @@
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    """Random 2-layer checkpoints: a CoT/TIR pair per architecture, sharing one tokenizer."""
+    from tiny import make_model
+
+    root = tmp_path_factory.mktemp("tiny")
+    llama_cot = make_model(root / "llama-cot", "llama", seed=1)
+    return {
+        "llama-cot": llama_cot,
+        "llama-tir": make_model(root / "llama-tir", "llama", seed=2, tokenizer_from=llama_cot),
+        "qwen-cot": make_model(root / "qwen-cot", "qwen2", seed=3, tokenizer_from=llama_cot),
+        "qwen-tir": make_model(root / "qwen-tir", "qwen2", seed=4, tokenizer_from=llama_cot),
+    }

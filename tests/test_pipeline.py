@@ -1,0 +1,180 @@
+"""The whole `make engine` pipeline on tiny random models: real mergekit, real ModelOpt, real runtime."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tiny import write_recipe
+from trtbuild import manifest as mf
+from trtbuild.__main__ import main
+from trtbuild.recipe import load_recipe
+
+STAGE_DIRS = ["sources/cot", "sources/tir", "merge", "quantize/int8_wo", "quantize/fp8", "build/embedded"]
+
+
+def _finished(out: Path) -> dict[str, str]:
+    return {d: mf.read_manifest(out / d)["finished_at"] + mf.read_manifest(out / d)["fingerprint"]
+            for d in STAGE_DIRS if mf.read_manifest(out / d)}
+
+
+@pytest.fixture(scope="module")
+def qwen_build(tiny_models, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("recipes")
+    path = write_recipe(folder, "tinyqwen", {
+        "cot": {"kind": "hf", "path": str(tiny_models["qwen-cot"])},
+        "tir": {"kind": "hf", "path": str(tiny_models["qwen-tir"])},
+    })
+    assert main(["engine", "--recipe", str(path), "--backend", "embedded"]) == 0
+    return load_recipe(path)
+
+
+def test_every_stage_writes_a_manifest(qwen_build):
+    out = qwen_build.out_dir
+    for d in STAGE_DIRS:
+        m = mf.read_manifest(out / d)
+        assert m and m["status"] == "done" and m["seconds"] >= 0 and m["libraries"]["torch"], d
+    merge = mf.read_manifest(out / "merge")
+    assert merge["arithmetic_check"]["within_rounding"] and merge["arithmetic_check"]["tensors_checked"] == 8
+    assert merge["weights"] == {"cot": 0.3, "tir": 0.7}
+    assert set(merge["quality"]) >= {"vs_cot", "vs_tir"}
+    assert all(len(v) == 64 for v in merge["inputs"]["cot"]["files"].values())  # sha256 per input file
+    for fmt in ("int8_wo", "fp8"):
+        q = mf.read_manifest(out / "quantize" / fmt)
+        assert q["reload_error"]["max_error_over_bound"] <= 1.0 + 1e-3
+        assert 0.0 <= q["quality"]["token_agreement"] <= 1.0 and q["quality"]["kl_mean"] >= 0.0
+        assert q["quality"]["positions"] > 0
+        assert (out / "quantize" / fmt / "trtllm" / "config.json").is_file()
+        assert (out / "quantize" / fmt / "trtllm" / "rank0.safetensors").is_file()
+        trt = json.loads((out / "quantize" / fmt / "trtllm" / "config.json").read_text())
+        assert trt["quantization"]["quant_algo"] == {"int8_wo": "W8A16", "fp8": "FP8"}[fmt]
+        assert trt["mapping"]["tp_size"] == 1
+
+
+def test_merged_weights_are_the_weighted_sum(qwen_build, tiny_models):
+    from safetensors.torch import load_file
+
+    out = qwen_build.out_dir
+    merged = load_file(str(out / "merge" / "model" / "model.safetensors"))
+    a = load_file(str(tiny_models["qwen-cot"] / "model.safetensors"))
+    b = load_file(str(tiny_models["qwen-tir"] / "model.safetensors"))
+    for name in ("model.layers.1.self_attn.q_proj.weight", "model.layers.0.self_attn.q_proj.bias", "lm_head.weight"):
+        expected = (0.3 * a[name].float() + 0.7 * b[name].float()).to(torch.bfloat16)
+        # fp32 sum then one bf16 rounding; mergekit's fused multiply-add may flip a rare tie
+        same = (merged[name] == expected).float().mean().item()
+        assert same > 0.99, (name, same)
+        assert (merged[name].float() - expected.float()).abs().max() <= expected.float().abs().max() * 2 ** -7
+
+
+def test_arithmetic_check_catches_a_wrong_tensor(qwen_build, tiny_models, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from merge.run import check_arithmetic
+
+    out = qwen_build.out_dir
+    t = load_file(str(out / "merge" / "model" / "model.safetensors"))
+    for k in t:
+        t[k] = t[k] * 1.01 if t[k].is_floating_point() else t[k]
+    save_file(t, str(tmp_path / "model.safetensors"))
+    dirs = {"cot": tiny_models["qwen-cot"], "tir": tiny_models["qwen-tir"]}
+    good = check_arithmetic(out / "merge" / "model", dirs, {"cot": 0.3, "tir": 0.7}, n=50)
+    bad = check_arithmetic(tmp_path, dirs, {"cot": 0.3, "tir": 0.7}, n=50)
+    assert good["within_rounding"] and good["max_error_ulps"] <= 0.5 + 1e-3
+    assert not bad["within_rounding"]
+
+
+def test_quantized_exports_reload_within_rounding(qwen_build):
+    from safetensors.torch import load_file
+
+    from server.embedded.loader import load_model
+    from trtbuild.quantize import reload_error
+
+    out = qwen_build.out_dir
+    original = load_file(str(out / "merge" / "model" / "model.safetensors"))
+    for fmt, dtype in (("int8_wo", torch.int8), ("fp8", torch.float8_e4m3fn)):
+        exported = load_file(str(out / "quantize" / fmt / "hf" / "model.safetensors"))
+        assert exported["model.layers.0.mlp.down_proj.weight"].dtype == dtype
+        model = load_model(out / "quantize" / fmt / "hf")
+        err = reload_error(original, model)
+        assert err["layers"] == 2 * 7 and err["max_error_over_bound"] <= 1.0 + 1e-3
+
+
+def test_engine_folder_serves_tokens(qwen_build):
+    from server.embedded.loader import load_model
+    from trtbuild.hf import load_tokenizer
+
+    engine = qwen_build.out_dir / "build" / "embedded"
+    cfg = json.loads((engine / "engine.json").read_text())
+    assert cfg["backend"] == "embedded" and cfg["quantization"] == "int8_wo"
+    assert cfg["limits"]["max_batch_size"] == 4 and cfg["serving"]["code_tags"]["code_start"] == "```python\n"
+    model = load_model(engine / cfg["model_dir"])
+    tok = load_tokenizer(engine / cfg["model_dir"])
+    ids = torch.tensor([tok("What is 2+3?")["input_ids"]])
+    out = model.generate(ids, max_new_tokens=5, do_sample=False)
+    assert out.shape[1] == ids.shape[1] + 5
+
+
+def test_second_run_does_no_work(qwen_build, capfd):
+    before = _finished(qwen_build.out_dir)
+    capfd.readouterr()
+    assert main(["engine", "--recipe", str(qwen_build.path), "--backend", "embedded"]) == 0
+    err = capfd.readouterr().err
+    assert _finished(qwen_build.out_dir) == before
+    for stage in ("sources", "merge", "quantize", "build"):
+        assert f"[{stage}] " in err and "up to date" in err
+
+
+def test_trtllm_backend_missing_is_a_clear_error(qwen_build, capfd):
+    assert main(["build", "--recipe", str(qwen_build.path), "--backend", "trtllm"]) == 1
+    err = capfd.readouterr().err
+    assert "BACKEND=trtllm is not usable here: TensorRT-LLM is not installed" in err
+
+
+def test_failed_stage_keeps_earlier_outputs_and_resumes(tiny_models, tmp_path, monkeypatch, capfd):
+    """A TIR fine-tune source, then a forced fp8 failure: int8 and earlier stages survive; rerun resumes."""
+    import trtbuild.quantize as quantize
+
+    path = write_recipe(tmp_path, "tinyllama", {
+        "cot": {"kind": "hf", "path": str(tiny_models["llama-cot"])},
+        "tir": {"kind": "tir_finetune", "base": "cot", "traces": 24, "steps": 3, "batch_size": 4, "max_length": 128},
+    })
+    real = quantize._quantize_one
+
+    def failing(recipe, fmt, *args, **kwargs):
+        if fmt == "fp8":
+            raise RuntimeError("forced failure for the test")
+        return real(recipe, fmt, *args, **kwargs)
+
+    monkeypatch.setattr(quantize, "_quantize_one", failing)
+    assert main(["engine", "--recipe", str(path), "--backend", "embedded"]) == 1
+    assert "[quantize] FAILED: RuntimeError: forced failure" in capfd.readouterr().err
+    out = tmp_path / "tinyllama"
+    tir = mf.read_manifest(out / "sources" / "tir")
+    assert tir["training"]["train_traces"] == 24 and len(tir["training"]["loss_curve"]) == 3
+    assert mf.read_manifest(out / "quantize" / "int8_wo") is not None
+    assert not (out / "quantize" / "fp8").exists() and not (out / "build").exists()
+    assert not list((out / "quantize").glob(".*partial*"))
+    before = _finished(out)
+
+    monkeypatch.setattr(quantize, "_quantize_one", real)
+    assert main(["engine", "--recipe", str(path), "--backend", "embedded"]) == 0
+    after = _finished(out)
+    for d in ("sources/cot", "sources/tir", "merge", "quantize/int8_wo"):
+        assert after[d] == before[d], f"{d} was redone"
+    assert "quantize/fp8" in after and "build/embedded" in after
+
+
+def test_recipe_change_reruns_only_affected_stages(qwen_build, tmp_path):
+    import yaml
+
+    data = yaml.safe_load(qwen_build.path.read_text())
+    data["build"]["max_batch_size"] = 8
+    path = qwen_build.path.with_name("tinyqwen.yaml")
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    before = _finished(qwen_build.out_dir)
+    assert main(["engine", "--recipe", str(path), "--backend", "embedded"]) == 0
+    after = _finished(qwen_build.out_dir)
+    assert {d for d in STAGE_DIRS if after[d] != before[d]} == {"build/embedded"}

@@ -1,0 +1,90 @@
+"""Recipe schema: the shipped recipe is valid; every kind of mistake fails with file, key and value."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from trtbuild.recipe import RecipeError, load_recipe, parse_recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _base() -> dict:
+    return yaml.safe_load((ROOT / "engines" / "mix.yaml").read_text())
+
+
+def test_shipped_recipe_is_valid():
+    r = load_recipe(ROOT / "engines" / "mix.yaml")
+    assert r.name == "mix"
+    assert r.merge.weights == {"cot": 0.3, "tir": 0.7}
+    assert r.out_dir == (ROOT / "engines" / "mix").resolve()
+    assert r.serving.code_tags.code_start == "```python\n"
+    assert set(r.quantize.formats) == {"fp8", "int8_wo"}
+
+
+def _error(tmp_path: Path, mutate) -> str:
+    data = _base()
+    mutate(data)
+    p = tmp_path / "bad.yaml"
+    p.write_text(yaml.safe_dump(data))
+    with pytest.raises(RecipeError) as e:
+        load_recipe(p)
+    msg = str(e.value)
+    assert "\n" not in msg and str(p) in msg
+    return msg
+
+
+@pytest.mark.parametrize("mutate, key, value", [
+    (lambda d: d["merge"].update(wieghts={"cot": 1}), "merge.wieghts", "unknown key"),
+    (lambda d: d["merge"]["weights"].update(cot="heavy"), "merge.weights.cot", "'heavy'"),
+    (lambda d: d["merge"]["weights"].update(sft=0.5), "merge.weights.sft", "'sft'"),
+    (lambda d: d["merge"].update(base_model="nope"), "merge.base_model", "'nope'"),
+    (lambda d: d["quantize"].update(formats=["int4"]), "quantize.formats[0]", "'int4'"),
+    (lambda d: d["build"].update(quantization="fp8", max_batch_size="big"), "build.max_batch_size", "'big'"),
+    (lambda d: d["build"].update(max_batch_size=True), "build.max_batch_size", "True"),
+    (lambda d: d["build"].update(max_input_len=9000), "build.max_input_len", "9000"),
+    (lambda d: d["quantize"].update(formats=["fp8"]), "build.quantization", "'int8_wo'"),
+    (lambda d: d["sources"]["cot"].update(kind="s3"), "sources.cot.kind", "'s3'"),
+    (lambda d: d["sources"].update(cot={"kind": "hf", "path": "/no/such/ckpt"}), "sources.cot.path", "/no/such/ckpt"),
+    (lambda d: d["sources"]["tir"].update(base="tir"), "sources.tir.base", "'tir'"),
+    (lambda d: d.pop("merge"), "merge", "missing required key"),
+    (lambda d: d["serving"]["sampling"].update(top_p=0), "serving.sampling.top_p", "0"),
+    (lambda d: d["serving"]["code_tags"].update(code_end=""), "serving.code_tags.code_end", "''"),
+])
+def test_bad_recipe_names_file_key_and_value(tmp_path, mutate, key, value):
+    msg = _error(tmp_path, mutate)
+    assert key in msg and value in msg, msg
+
+
+def test_yaml_syntax_error_names_line(tmp_path):
+    p = tmp_path / "broken.yaml"
+    p.write_text("name: x\nmerge: [1, 2\n")
+    with pytest.raises(RecipeError, match=r"broken.yaml: line \d+: not valid YAML"):
+        load_recipe(p)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(RecipeError, match="recipe file not found"):
+        load_recipe(tmp_path / "nope.yaml")
+
+
+def test_hf_path_resolves_against_recipe_folder(tmp_path, tiny_models):
+    (tmp_path / "ckpt").symlink_to(tiny_models["llama-cot"])
+    data = {"name": "t", "sources": {"cot": {"kind": "hf", "path": "ckpt"}, "tir": {"kind": "tir_finetune", "base": "cot"}},
+            "merge": {"weights": {"cot": 0.3, "tir": 0.7}, "base_model": "tir"}}
+    r = parse_recipe(data, where="t.yaml", path=tmp_path / "t.yaml")
+    assert r.resolve("ckpt") == tmp_path / "ckpt"
+    assert r.out_dir == tmp_path / "t"
+
+
+def test_core_imports_without_heavy_libraries():
+    code = ("import sys, trtbuild, trtbuild.recipe, trtbuild.manifest, trtbuild.backends, trtbuild.__main__, "
+            "merge, merge.config, server, server.embedded\n"
+            "heavy = [m for m in ('torch', 'transformers', 'mergekit', 'modelopt', 'tensorrt_llm') if m in sys.modules]\n"
+            "assert not heavy, heavy")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

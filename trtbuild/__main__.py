@@ -1,0 +1,125 @@
+"""Command line of the build pipeline: `python -m trtbuild STAGE --recipe engines/mix.yaml`.
+
+Stages: sources, merge, quantize, build; `engine` runs them all in order; `check` validates a
+recipe; `report` summarises the manifests of a finished build. Each stage skips itself when its
+fingerprint (inputs, recipe section, code) matches the finished output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from trtbuild import manifest as mf
+from trtbuild.recipe import Recipe, RecipeError, load_recipe
+
+STAGES = ("sources", "merge", "quantize", "build")
+
+
+def run_stage(name: str, recipe: Recipe, backend: str) -> Path:
+    if name == "sources":
+        from trtbuild import sources
+
+        return sources.run(recipe)
+    if name == "merge":
+        from merge import run as merge_run
+
+        return merge_run.run(recipe)
+    if name == "quantize":
+        from trtbuild import quantize
+
+        return quantize.run(recipe)
+    if name == "build":
+        from trtbuild import build
+
+        return build.run(recipe, backend)
+    raise ValueError(name)
+
+
+def _mb(n: int | None) -> str:
+    return f"{(n or 0) / 1e6:.1f} MB"
+
+
+def report(recipe: Recipe) -> str:
+    """A human summary of the finished stages (times, sizes, checks, quality)."""
+    out = recipe.out_dir
+    lines = [f"# {recipe.name}: {out}"]
+    src = mf.read_manifest(out / "sources")
+    for name in recipe.sources:
+        m = mf.read_manifest(out / "sources" / name)
+        if m:
+            t = m.get("training")
+            extra = f", TIR loss {t['heldout_loss_before']} -> {t['heldout_loss_after']}" if t else ""
+            lines.append(f"sources/{name}: {m['seconds']}s, {_mb(m['size_bytes'])}{extra}")
+    if src is None:
+        lines.append("sources: not built")
+    m = mf.read_manifest(out / "merge")
+    if m:
+        c = m["arithmetic_check"]
+        lines.append(f"merge: {m['seconds']}s (mergekit {m['merge_seconds']}s), {_mb(m['size_bytes'])}, "
+                     f"check {c['tensors_checked']} tensors max err {c['max_abs_error']:.3g} = {c['max_error_ulps']:.3f} ulp")
+        for k, v in m["quality"].items():
+            if k.startswith("vs_"):
+                lines.append(f"  merged {k.replace('_', ' ')}: KL {v['kl_mean']:.4f}, agreement {v['token_agreement']:.1%}, "
+                             f"reply len {v['reply_len']:.1f} vs {v['reply_len_ref']:.1f}, code calls "
+                             f"{v['code_calls']:.2f} vs {v['code_calls_ref']:.2f}")
+    for fmt in recipe.quantize.formats:
+        m = mf.read_manifest(out / "quantize" / fmt)
+        if m:
+            q = m["quality"]
+            lines.append(f"quantize/{fmt}: {m['seconds']}s, hf {_mb(m['hf_bytes'])}, trtllm {_mb(m['trtllm_bytes'])}, "
+                         f"reload {m['reload_error']['max_error_over_bound']:.3f}x bound")
+            lines.append(f"  {fmt} vs bf16: KL {q['kl_mean']:.4f}, agreement {q['token_agreement']:.1%}, reply len "
+                         f"{q['reply_len']:.1f} vs {q['reply_len_ref']:.1f}, code calls {q['code_calls']:.2f} vs "
+                         f"{q['code_calls_ref']:.2f}")
+    for backend in ("embedded", "trtllm"):
+        m = mf.read_manifest(out / "build" / backend)
+        if m:
+            lines.append(f"build/{backend}: {m['seconds']}s, {_mb(m['size_bytes'])}, serves {m['quantization']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m trtbuild", description=__doc__.splitlines()[0])
+    p.add_argument("command", choices=(*STAGES, "engine", "check", "report"))
+    p.add_argument("--recipe", default="engines/mix.yaml", help="recipe file (default: engines/mix.yaml)")
+    p.add_argument("--backend", default="auto", choices=("auto", "embedded", "trtllm"))
+    args = p.parse_args(argv)
+    try:
+        recipe = load_recipe(args.recipe)
+    except RecipeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.command == "check":
+        print(f"{args.recipe}: ok ({', '.join(recipe.sources)} -> {recipe.out_dir})")
+        return 0
+    if args.command == "report":
+        print(report(recipe))
+        return 0
+    todo = STAGES if args.command == "engine" else (args.command,)
+    for stage in todo:
+        t = time.time()
+        try:
+            path = run_stage(stage, recipe, args.backend)
+        except RecipeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print(f"[{stage}] interrupted; finished stages are kept, rerun to resume", file=sys.stderr)
+            return 130
+        except Exception as e:  # noqa: BLE001 - report any failure as one line plus the traceback
+            traceback.print_exc()
+            print(f"[{stage}] FAILED: {type(e).__name__}: {e}\n[{stage}] earlier stages are kept; "
+                  "fix the cause and rerun to resume here", file=sys.stderr)
+            return 1
+        mf.log(stage, f"ok in {time.time() - t:.1f}s -> {path}")
+    if args.command == "engine":
+        print(report(recipe))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,187 @@
+"""Stage `quantize`: ModelOpt FP8 / int8 weight-only (W8A16) on the merged checkpoint, on CPU.
+
+Per format, `quantize/<format>/` holds
+- `hf/`: ModelOpt's unified HF export (what the embedded runtime serves, scales applied),
+- `trtllm/`: ModelOpt's TensorRT-LLM checkpoint (config.json + rank*.safetensors) for trtllm-build,
+- `manifest.json`: calibration, sizes, weight reload error, and the quality price against bf16.
+Formats are built one by one, each atomically: a failure in one keeps the others.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from pathlib import Path
+from typing import Any
+
+from trtbuild import manifest as mf
+from trtbuild.recipe import Recipe
+
+STAGE = "quantize"
+MODELOPT_ALGO = {"fp8": "FP8", "int8_wo": "W8A16"}
+
+
+def modelopt_config(fmt: str, kv_cache_dtype: str) -> dict[str, Any]:
+    import modelopt.torch.quantization as mtq
+
+    cfg = copy.deepcopy({"fp8": mtq.FP8_DEFAULT_CFG, "int8_wo": mtq.INT8_WEIGHT_ONLY_CFG}[fmt])
+    if kv_cache_dtype == "fp8":
+        cfg["quant_cfg"].update(copy.deepcopy(mtq.FP8_KV_CFG["quant_cfg"]))
+    return cfg
+
+
+def calibration_texts(recipe: Recipe, tokenizer: Any) -> list[list[int]]:
+    """TIR traces in the serving chat format: the distribution the engine will see."""
+    from trtbuild.hf import encode, render_prompt
+    from trtbuild.tir_data import make_traces
+
+    c = recipe.quantize.calibration
+    traces = make_traces(c.size, c.seed, recipe.serving.code_tags)
+    out = []
+    for t in traces:
+        text = render_prompt(tokenizer, t.problem, recipe.serving.system_prompt) + t.reply
+        out.append(encode(tokenizer, text)[: c.max_length])
+    return out
+
+
+def reload_error(original: dict[str, Any], model: Any) -> dict[str, float]:
+    """Worst error of each reloaded quantized weight vs the bf16 original, in units of its rounding bound.
+
+    int8: |w - q*s| <= s/2 per output channel. e4m3: half the spacing of e4m3 at |w/s| (4
+    significand bits; subnormal spacing 2^-9), times s. A value <= 1 means "within rounding".
+    """
+    import torch
+
+    from server.embedded.qlinear import Fp8Linear, Int8WeightOnlyLinear
+
+    worst, n = 0.0, 0
+    for name, module in model.named_modules():
+        if not isinstance(module, (Int8WeightOnlyLinear, Fp8Linear)):
+            continue
+        w = original[f"{name}.weight"].float()
+        deq = module.dequantized()
+        if isinstance(module, Int8WeightOnlyLinear):
+            bound = module.scale.float()[:, None] * 0.5
+        else:
+            s = module.weight_scale
+            _, e = torch.frexp((w / s).abs())
+            bound = 0.5 * torch.ldexp(torch.ones_like(w), e - 4).clamp_min(2.0 ** -9) * s
+        # Scales carry one bf16 rounding (ModelOpt takes amax in the weight dtype; the int8 kernel
+        # takes scales in the activation dtype): allow it on top of the rounding of the weight itself.
+        bound = bound + deq.abs() * 2.0 ** -8
+        worst = max(worst, float(((w - deq).abs() / bound).max()))
+        n += 1
+    return {"layers": n, "max_error_over_bound": worst}
+
+
+def fingerprint(recipe: Recipe, fmt: str, merged_fp: str) -> str:
+    return mf.fingerprint({
+        "format": fmt, "kv": recipe.quantize.kv_cache_dtype, "calibration": recipe.section("quantize")["calibration"],
+        "quality": recipe.section("quality"), "tags": recipe.section("serving")["code_tags"],
+        "merged": merged_fp, "code": mf.code_version(__name__, "server.embedded.loader", "server.embedded.qlinear",
+                                                     "trtbuild.quality"),
+    })
+
+
+def _quantize_one(recipe: Recipe, fmt: str, merged_dir: Path, final: Path, fp: str, ref: Any) -> dict[str, Any]:
+    import modelopt.torch.quantization as mtq
+    import torch
+    from modelopt.torch.export import export_hf_checkpoint, export_tensorrt_llm_checkpoint
+    from modelopt.torch.export.model_utils import get_model_type
+
+    from server.embedded.loader import load_model
+    from trtbuild.hf import load_tokenizer
+    from trtbuild.quality import price
+
+    started = time.time()
+    tok = load_tokenizer(merged_dir)
+    model = load_model(merged_dir)
+    original = {k: v.detach().clone() for k, v in model.state_dict().items() if k.endswith(".weight")}
+    calib = calibration_texts(recipe, tok)
+    mf.log(STAGE, f"{fmt}: ModelOpt {MODELOPT_ALGO[fmt]} calibration on {len(calib)} TIR traces ...")
+
+    def forward_loop(m: Any) -> None:
+        with torch.no_grad():
+            for ids in calib:
+                m(input_ids=torch.tensor([ids]))
+
+    t = time.time()
+    mtq.quantize(model, modelopt_config(fmt, recipe.quantize.kv_cache_dtype), forward_loop)
+    calib_seconds = time.time() - t
+    decoder = get_model_type(model)
+    if decoder is None:
+        raise ValueError(f"quantize: ModelOpt has no TensorRT-LLM decoder type for {type(model).__name__}")
+    with mf.stage_dir(final) as tmp:
+        t = time.time()
+        export_hf_checkpoint(model, export_dir=str(tmp / "hf"))
+        tok.save_pretrained(str(tmp / "hf"))
+        export_tensorrt_llm_checkpoint(model, decoder_type=decoder, dtype=torch.bfloat16, export_dir=str(tmp / "trtllm"),
+                                       inference_tensor_parallel=recipe.build.tp_size)
+        export_seconds = time.time() - t
+        del model
+        reloaded = load_model(tmp / "hf")
+        err = reload_error(original, reloaded)
+        mf.log(STAGE, f"{fmt}: reloaded {err['layers']} quantized layers, worst error "
+               f"{err['max_error_over_bound']:.3f} x rounding bound")
+        if err["max_error_over_bound"] > 1.0 + 1e-3:
+            raise RuntimeError(f"quantize: {fmt} weights reload outside their rounding bound: {err}")
+        mf.log(STAGE, f"{fmt}: quality vs bf16 on {len(ref['replies'].prompts)} recorded prompts ...")
+        p = price(ref["model"], reloaded, tok, ref["replies"], recipe.quality.max_new_tokens, recipe.serving.code_tags)
+        mf.log(STAGE, f"{fmt}: {p.summary()}")
+        manifest = mf.write_manifest(
+            tmp, f"{STAGE}/{fmt}", fp, started,
+            format=fmt, quant_algo=MODELOPT_ALGO[fmt], kv_cache_dtype=recipe.quantize.kv_cache_dtype,
+            decoder_type=decoder, calibration={"samples": len(calib), "tokens": sum(map(len, calib)),
+                                               "seconds": round(calib_seconds, 2)},
+            export_seconds=round(export_seconds, 2), reload_error=err, quality=p.as_dict(),
+            hf_dir=str(final / "hf"), trtllm_dir=str(final / "trtllm"),
+            hf_bytes=mf.dir_size(tmp / "hf"), trtllm_bytes=mf.dir_size(tmp / "trtllm"),
+            files=mf.hash_tree(tmp / "hf"),
+        )
+    return manifest
+
+
+def run(recipe: Recipe) -> Path:
+    from merge.run import fingerprint as merge_fingerprint
+
+    out = recipe.out_dir / STAGE
+    merged = recipe.out_dir / "merge"
+    m = mf.read_manifest(merged)
+    if m is None:
+        raise FileNotFoundError(f"quantize: no merged model in {merged}: run the merge stage first")
+    merged_fp = merge_fingerprint(recipe)
+    fps = {fmt: fingerprint(recipe, fmt, merged_fp) for fmt in recipe.quantize.formats}
+    stage_fp = mf.fingerprint(fps)
+    if mf.is_current(out, stage_fp):
+        mf.touch(out)
+        mf.log(STAGE, "up to date")
+        return out
+    started = time.time()
+    merged_dir = merged / "model"
+    ref: dict[str, Any] | None = None
+    results = {}
+    for fmt in recipe.quantize.formats:
+        final = out / fmt
+        if mf.is_current(final, fps[fmt]):
+            mf.log(STAGE, f"{fmt}: up to date")
+        else:
+            if ref is None:
+                from server.embedded.loader import load_model
+                from trtbuild.hf import load_tokenizer, use_all_cores
+                from trtbuild.quality import quality_prompts, record_replies
+
+                use_all_cores()
+                tok = load_tokenizer(merged_dir)
+                ref_model = load_model(merged_dir)
+                mf.log(STAGE, "recording bf16 reference replies ...")
+                ref = {"model": ref_model, "replies": record_replies(
+                    ref_model, tok, quality_prompts(recipe, tok), recipe.quality.max_new_tokens)}
+            _quantize_one(recipe, fmt, merged_dir, final, fps[fmt], ref)
+        results[fmt] = mf.read_manifest(final)
+    out.mkdir(parents=True, exist_ok=True)
+    mf.write_manifest(
+        out, STAGE, stage_fp, started, merged_bytes=mf.dir_size(merged_dir),
+        formats={f: {"hf_bytes": r["hf_bytes"], "trtllm_bytes": r["trtllm_bytes"], "quality": r["quality"],
+                     "seconds": r["seconds"]} for f, r in results.items()},
+    )
+    return out

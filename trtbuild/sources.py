@@ -1,0 +1,125 @@
+"""Stage `sources`: make every recipe source an HF checkpoint folder the merge can read.
+
+- `hf`: used in place (recorded with hashes, never copied: real checkpoints are large).
+- `gguf_package`: a GGUF shipped in a Python package, dequantized to bf16 safetensors.
+- `tir_finetune`: LoRA on synthetic TIR traces over another source (see tir_finetune.py).
+Each source gets `sources/<name>/` with its own manifest, so a failure in one keeps the others.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from pathlib import Path
+from typing import Any
+
+from trtbuild import manifest as mf
+from trtbuild.recipe import GGUFPackageSource, HFSource, Recipe, RecipeError, TIRFinetuneSource, to_data
+
+STAGE = "sources"
+
+
+def gguf_path(src: GGUFPackageSource, where: str) -> Path:
+    spec = importlib.util.find_spec(src.package.replace("-", "_"))
+    if spec is None or not spec.submodule_search_locations:
+        raise RecipeError(f"{where}: sources: package {src.package!r} is not installed (run `make setup`)")
+    path = Path(list(spec.submodule_search_locations)[0]) / src.file
+    if not path.is_file():
+        raise RecipeError(f"{where}: sources: {src.file!r} not found in package {src.package!r} ({path})")
+    return path
+
+
+def gguf_to_hf(path: Path, out: Path) -> None:
+    """Dequantize a GGUF checkpoint into a bf16 HF folder (model + tokenizer + chat template)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.bfloat16)
+    if getattr(model, "hf_quantizer", None) is not None:
+        # Otherwise save_pretrained records a GGUF quantization config for bf16 tensors.
+        model.hf_quantizer.remove_quantization_config(model)
+    model.save_pretrained(str(out))
+    tok.save_pretrained(str(out))
+
+
+def source_dir(recipe: Recipe, name: str) -> Path:
+    """Where the merge reads source `name` from (valid once the stage has run)."""
+    src = recipe.sources[name]
+    if isinstance(src, HFSource):
+        return recipe.resolve(src.path)
+    return recipe.out_dir / STAGE / name / "model"
+
+
+def _fingerprint(recipe: Recipe, name: str) -> str:
+    src = recipe.sources[name]
+    data: dict[str, Any] = {"source": to_data(src), "code": mf.code_version(__name__)}
+    if isinstance(src, TIRFinetuneSource):
+        data["base"] = _fingerprint(recipe, src.base)
+        data["tags"] = to_data(recipe.serving.code_tags)
+        data["system_prompt"] = recipe.serving.system_prompt
+        data["code_tir"] = mf.code_version("trtbuild.tir_finetune", "trtbuild.tir_data")
+    if isinstance(src, HFSource):
+        p = recipe.resolve(src.path)
+        data["files"] = {f.name: (f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(p.glob("*")) if f.is_file()}
+    return mf.fingerprint(data)
+
+
+def fingerprint(recipe: Recipe) -> str:
+    return mf.fingerprint({n: _fingerprint(recipe, n) for n in recipe.sources})
+
+
+def _run_one(recipe: Recipe, name: str) -> None:
+    src = recipe.sources[name]
+    final = recipe.out_dir / STAGE / name
+    fp = _fingerprint(recipe, name)
+    if mf.is_current(final, fp):
+        mf.log(STAGE, f"{name}: up to date ({final})")
+        return
+    if isinstance(src, TIRFinetuneSource):
+        _run_one(recipe, src.base)
+    started = time.time()
+    with mf.stage_dir(final) as tmp:
+        extra: dict[str, Any] = {}
+        if isinstance(src, HFSource):
+            mf.log(STAGE, f"{name}: hf checkpoint {source_dir(recipe, name)} (used in place)")
+            model_dir = source_dir(recipe, name)
+        elif isinstance(src, GGUFPackageSource):
+            path = gguf_path(src, str(recipe.path))
+            mf.log(STAGE, f"{name}: dequantizing {path.name} from package {src.package} to bf16 ...")
+            gguf_to_hf(path, tmp / "model")
+            model_dir = final / "model"
+            extra["gguf"] = {"path": str(path), "sha256": mf.sha256_file(path)}
+        else:
+            from trtbuild.tir_finetune import finetune
+
+            base = source_dir(recipe, src.base)
+            mf.log(STAGE, f"{name}: LoRA fine-tune of {src.base} on {src.traces} synthetic TIR traces, "
+                   f"{src.steps} steps ...")
+            extra["training"] = finetune(src, base, tmp / "model", recipe.serving.code_tags, recipe.serving.system_prompt)
+            model_dir = final / "model"
+        local = tmp / "model" if model_dir == final / "model" else model_dir
+        mf.write_manifest(
+            tmp, f"{STAGE}/{name}", fp, started,
+            source=to_data(src), model_dir=str(model_dir), files=mf.hash_tree(local), **extra,
+        )
+    mf.log(STAGE, f"{name}: done in {time.time() - started:.1f}s -> {final}")
+
+
+def run(recipe: Recipe) -> Path:
+    out = recipe.out_dir / STAGE
+    fp = fingerprint(recipe)
+    if mf.is_current(out, fp):
+        mf.touch(out)
+        mf.log(STAGE, "up to date")
+        return out
+    started = time.time()
+    for name in recipe.sources:
+        _run_one(recipe, name)
+    summary = {n: mf.read_manifest(out / n) for n in recipe.sources}
+    out.mkdir(parents=True, exist_ok=True)
+    mf.write_manifest(
+        out, STAGE, fp, started,
+        sources={n: {"model_dir": m["model_dir"], "seconds": m["seconds"]} for n, m in summary.items() if m},
+    )
+    return out
