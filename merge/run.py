@@ -89,9 +89,7 @@ def fingerprint(recipe: Recipe) -> str:
 def run(recipe: Recipe) -> Path:
     final = recipe.out_dir / STAGE
     fp = fingerprint(recipe)
-    if mf.is_current(final, fp):
-        mf.touch(final)
-        mf.log(STAGE, "up to date")
+    if mf.up_to_date(final, fp, STAGE):
         return final
     from mergekit.config import MergeConfiguration
     from mergekit.merge import MergeOptions, run_merge

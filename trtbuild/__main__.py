@@ -74,7 +74,7 @@ def report(recipe: Recipe) -> str:
                          f"reload {m['reload_error']['max_error_over_bound']:.3f}x bound")
             lines.append(f"  {fmt} vs bf16: KL {q['kl_mean']:.4f}, agreement {q['token_agreement']:.1%}, reply len "
                          f"{q['reply_len']:.1f} vs {q['reply_len_ref']:.1f}, code calls {q['code_calls']:.2f} vs "
-                         f"{q['code_calls_ref']:.2f}")
+                         f"{q['code_calls_ref']:.2f}" + (f"  [flagged: {'; '.join(m['quality_flags'])}]" if m.get("quality_flags") else ""))
     for backend in ("embedded", "trtllm"):
         m = mf.read_manifest(out / "build" / backend)
         if m:

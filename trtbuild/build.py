@@ -87,9 +87,7 @@ def run(recipe: Recipe, backend: str = "auto") -> Path:
     chosen = backends.resolve(requested)
     final = recipe.out_dir / STAGE / chosen
     fp = fingerprint(recipe, chosen)
-    if mf.is_current(final, fp):
-        mf.touch(final)
-        mf.log(STAGE, f"{chosen}: up to date ({final})")
+    if mf.up_to_date(final, fp, STAGE):
         return final
     src = weights_dir(recipe)
     if not (src / "config.json").is_file():

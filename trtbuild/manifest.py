@@ -92,6 +92,15 @@ def touch(folder: Path) -> None:
     (folder / MANIFEST).touch()
 
 
+def up_to_date(folder: Path, fp: str, stage: str) -> bool:
+    """True (logged, manifest touched) when `folder` already holds this fingerprint's output."""
+    if not is_current(folder, fp):
+        return False
+    touch(folder)
+    log(stage, f"up to date ({folder})")
+    return True
+
+
 @contextlib.contextmanager
 def stage_dir(final: Path) -> Iterator[Path]:
     """Yield a scratch folder that replaces `final` only if the block succeeds."""

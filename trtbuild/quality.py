@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from trtbuild.hf import encode, render_prompt
-from trtbuild.recipe import CodeTags, Recipe
+from trtbuild.recipe import CodeTags, QualitySpec, Recipe
 from trtbuild.tir_data import make_problems
 
 
@@ -93,6 +93,17 @@ class Price:
         return (f"KL {self.kl_mean:.4f} (p95 {self.kl_p95:.4f}), agreement {self.token_agreement:.1%}, "
                 f"reply length {self.reply_len:.1f} vs {self.reply_len_ref:.1f} ({self.reply_len_ratio:.2f}x), "
                 f"code calls {self.code_calls:.2f} vs {self.code_calls_ref:.2f}")
+
+    def verdict(self, spec: QualitySpec) -> list[str]:
+        """Reasons this price is suspect (empty when within the recipe's thresholds)."""
+        out = []
+        if self.kl_mean > spec.max_kl:
+            out.append(f"KL {self.kl_mean:.4f} > {spec.max_kl}")
+        if self.token_agreement < spec.min_agreement:
+            out.append(f"agreement {self.token_agreement:.1%} < {spec.min_agreement:.0%}")
+        if abs(self.reply_len_ratio - 1.0) > spec.max_length_change:
+            out.append(f"reply length moved {self.reply_len_ratio - 1:+.0%} (limit {spec.max_length_change:.0%})")
+        return out
 
     def as_dict(self) -> dict[str, float]:
         return {k: round(v, 6) if isinstance(v, float) else v for k, v in asdict(self).items()}

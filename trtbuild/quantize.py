@@ -66,9 +66,10 @@ def reload_error(original: dict[str, Any], model: Any) -> dict[str, float]:
             s = module.weight_scale
             _, e = torch.frexp((w / s).abs())
             bound = 0.5 * torch.ldexp(torch.ones_like(w), e - 4).clamp_min(2.0 ** -9) * s
-        # Scales carry one bf16 rounding (ModelOpt takes amax in the weight dtype; the int8 kernel
-        # takes scales in the activation dtype): allow it on top of the rounding of the weight itself.
-        bound = bound + deq.abs() * 2.0 ** -8
+        # ModelOpt computes in the weight dtype (bf16): the scale and the scaled weight w/s each carry
+        # one bf16 rounding (2^-9 relative) before the cast, and the int8 kernel takes its scales in
+        # the activation dtype; allow two bf16 roundings (2^-8) on top of the format's own rounding.
+        bound = bound + deq.abs() * 2.0 ** -8 + w.abs() * 2.0 ** -9
         worst = max(worst, float(((w - deq).abs() / bound).max()))
         n += 1
     return {"layers": n, "max_error_over_bound": worst}
@@ -128,12 +129,16 @@ def _quantize_one(recipe: Recipe, fmt: str, merged_dir: Path, final: Path, fp: s
         mf.log(STAGE, f"{fmt}: quality vs bf16 on {len(ref['replies'].prompts)} recorded prompts ...")
         p = price(ref["model"], reloaded, tok, ref["replies"], recipe.quality.max_new_tokens, recipe.serving.code_tags)
         mf.log(STAGE, f"{fmt}: {p.summary()}")
+        flags = p.verdict(recipe.quality)
+        if flags:
+            mf.log(STAGE, f"WARNING: {fmt} is outside the recipe's quality thresholds: {'; '.join(flags)}")
         manifest = mf.write_manifest(
             tmp, f"{STAGE}/{fmt}", fp, started,
             format=fmt, quant_algo=MODELOPT_ALGO[fmt], kv_cache_dtype=recipe.quantize.kv_cache_dtype,
             decoder_type=decoder, calibration={"samples": len(calib), "tokens": sum(map(len, calib)),
                                                "seconds": round(calib_seconds, 2)},
             export_seconds=round(export_seconds, 2), reload_error=err, quality=p.as_dict(),
+            quality_flags=flags,
             hf_dir=str(final / "hf"), trtllm_dir=str(final / "trtllm"),
             hf_bytes=mf.dir_size(tmp / "hf"), trtllm_bytes=mf.dir_size(tmp / "trtllm"),
             files=mf.hash_tree(tmp / "hf"),
@@ -152,9 +157,7 @@ def run(recipe: Recipe) -> Path:
     merged_fp = merge_fingerprint(recipe)
     fps = {fmt: fingerprint(recipe, fmt, merged_fp) for fmt in recipe.quantize.formats}
     stage_fp = mf.fingerprint(fps)
-    if mf.is_current(out, stage_fp):
-        mf.touch(out)
-        mf.log(STAGE, "up to date")
+    if mf.up_to_date(out, stage_fp, STAGE):
         return out
     started = time.time()
     merged_dir = merged / "model"

@@ -109,9 +109,7 @@ def _run_one(recipe: Recipe, name: str) -> None:
 def run(recipe: Recipe) -> Path:
     out = recipe.out_dir / STAGE
     fp = fingerprint(recipe)
-    if mf.is_current(out, fp):
-        mf.touch(out)
-        mf.log(STAGE, "up to date")
+    if mf.up_to_date(out, fp, STAGE):
         return out
     started = time.time()
     for name in recipe.sources:
