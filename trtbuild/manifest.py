@@ -1,5 +1,8 @@
 """Stage bookkeeping: fingerprints, atomic output folders and `manifest.json`.
 
+Each stage module has a `VERSION`: bump it when a code change alters what the stage writes, so
+outputs built by the old code are redone (a refactor that changes nothing keeps them).
+
 A stage's output folder appears only when the stage has finished (it is built in a temporary
 sibling and renamed), so a failed or interrupted run leaves every earlier stage intact and the
 next run resumes at the first stage whose fingerprint no longer matches.
@@ -54,15 +57,6 @@ def hash_tree(root: Path, suffixes: tuple[str, ...] = (".safetensors", ".json", 
 
 def dir_size(root: Path) -> int:
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
-
-
-def code_version(*modules: str) -> str:
-    """Hash of the source files of the given modules: editing a stage's code reruns it."""
-    h = hashlib.sha256()
-    for name in modules:
-        mod = sys.modules.get(name) or __import__(name, fromlist=["_"])
-        h.update(Path(mod.__file__).read_bytes())
-    return h.hexdigest()[:16]
 
 
 def library_versions() -> dict[str, str]:

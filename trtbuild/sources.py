@@ -15,7 +15,9 @@ from typing import Any
 
 from trtbuild import manifest as mf
 from trtbuild.recipe import GGUFPackageSource, HFSource, Recipe, RecipeError, TIRFinetuneSource, to_data
+from trtbuild.tir_data import VERSION as TIR_VERSION
 
+VERSION = 1  # bump when the output of this stage changes for the same inputs
 STAGE = "sources"
 
 
@@ -53,12 +55,12 @@ def source_dir(recipe: Recipe, name: str) -> Path:
 
 def _fingerprint(recipe: Recipe, name: str) -> str:
     src = recipe.sources[name]
-    data: dict[str, Any] = {"source": to_data(src), "code": mf.code_version(__name__)}
+    data: dict[str, Any] = {"source": to_data(src), "version": VERSION}
     if isinstance(src, TIRFinetuneSource):
         data["base"] = _fingerprint(recipe, src.base)
         data["tags"] = to_data(recipe.serving.code_tags)
         data["system_prompt"] = recipe.serving.system_prompt
-        data["code_tir"] = mf.code_version("trtbuild.tir_finetune", "trtbuild.tir_data")
+        data["tir_version"] = TIR_VERSION
     if isinstance(src, HFSource):
         p = recipe.resolve(src.path)
         data["files"] = {f.name: (f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(p.glob("*")) if f.is_file()}

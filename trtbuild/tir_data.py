@@ -18,6 +18,9 @@ from typing import Callable
 from trtbuild.recipe import CodeTags
 
 
+VERSION = 1  # bump when the traces or the fine-tune (tir_finetune.py) change for the same recipe
+
+
 @dataclass(frozen=True)
 class Problem:
     text: str
