@@ -1,1 +1,10 @@
-"""Isolated python execution for the TIR harness (network-less, resource-limited, warm pool)."""
+"""Isolated python execution for the TIR harness: no network, resource limits, timeouts that kill
+every descendant, capped output, stateful sessions, and a warm pool. Bad code never takes the
+harness down. Standard library only on the host side.
+"""
+
+from sandbox.config import DEFAULT_PREIMPORTS, Limits, SandboxConfig
+from sandbox.pool import SandboxPool, Session
+from sandbox.result import CellResult, Stream
+
+__all__ = ["CellResult", "DEFAULT_PREIMPORTS", "Limits", "SandboxConfig", "SandboxPool", "Session", "Stream"]
