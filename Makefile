@@ -13,7 +13,7 @@ TB      := $(PY) -m trtbuild --recipe $(RECIPE)
 SETUP   := $(VENV)/.setup-done
 PYTEST_ARGS ?=
 
-.PHONY: help setup engine sources merge quantize build report check test test-all clean
+.PHONY: help setup engine sources merge quantize build report check test bench clean
 
 help:
 	@echo "make setup                 create $(VENV) with the pinned embedded environment"
@@ -21,6 +21,7 @@ help:
 	@echo "make report MODEL=mix      summary of a finished build (times, sizes, checks, quality)"
 	@echo "make check MODEL=mix       validate the recipe only"
 	@echo "make test                  the test suite (what CI runs)"
+	@echo "make bench                 benchmarks (sandbox latency/throughput) -> bench/*.json"
 	@echo "make clean MODEL=mix       remove $(OUT)/"
 
 $(SETUP): requirements/embedded.txt requirements/constraints.txt pyproject.toml
@@ -68,6 +69,9 @@ report: $(SETUP)
 
 test: $(SETUP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+bench: $(SETUP)
+	$(PY) -m sandbox.bench --out bench/sandbox.json
 
 clean:
 	rm -rf $(OUT)
