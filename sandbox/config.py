@@ -43,7 +43,6 @@ class SandboxConfig:
     preimports: tuple[str, ...] = DEFAULT_PREIMPORTS
     isolation: str = "auto"  # auto | namespaces | none
     capture_bytes: int = 64 * 1024  # head and tail kept of each stream
-    output_chars: int = 1000  # what is fed back to the model (head + tail, with a marker)
     pool_size: int = 0  # 0: sized to the machine
     python: str = ""  # interpreter for workers; default: the harness's own
 

@@ -30,10 +30,9 @@ for mp in $(awk '{print $5}' /proc/self/mountinfo | sort -u); do
   case "$mp" in /proc|/proc/*) continue;; esac
   mount -o remount,bind,ro "$mp" 2>/dev/null || true
 done
-for d in /tmp /var/tmp /dev/shm /run/lock; do
-  if [ -d "$d" ]; then mount -t tmpfs -o size=${SANDBOX_TMPFS_MB}m,mode=1777,nosuid,nodev tmpfs "$d"; fi
-done
+mount -t tmpfs -o size=${SANDBOX_TMPFS_MB}m,mode=1777,nosuid,nodev tmpfs /dev/shm
 """
+PRIVATE_TMP = ("/tmp", "/var/tmp", "/run/lock")  # each gets a private tmpfs (and /dev/shm above)
 
 
 def _runtime_dirs() -> list[str]:
@@ -62,17 +61,34 @@ def _exposures() -> dict[str, list[str]]:
     return out
 
 
+def _covered_runtime() -> list[str]:
+    """Runtime folders that a private tmpfs would hide (a checkout or venv under /tmp, say)."""
+    needed = {os.path.realpath(p) for p in (*_runtime_dirs(), os.path.dirname(os.path.abspath(__file__)))}
+    needed.add(os.path.abspath(sys.prefix))  # the venv itself, whose bin/python may be a symlink
+    return sorted(p for p in needed if any(p == t or p.startswith(t + "/") for t in PRIVATE_TMP))
+
+
+def _rebind(stage: str, target: str) -> list[str]:
+    q = shlex.quote(target)
+    return [f"mkdir -p {q}", f"mount --bind {stage} {q}", f"mount -o remount,bind,ro {q}", f"umount {stage}"]
+
+
 def mount_script() -> str:
+    """Shell run as the namespace's first process, before the worker is exec'd."""
     lines = ["set -e", _REMOUNT_READ_ONLY]
+    covered = _covered_runtime()
+    for k, d in enumerate(covered):  # stage on the fresh /dev/shm before /tmp is covered
+        lines += [f"mkdir -p /dev/shm/.keep-{k}", f"mount --bind {shlex.quote(d)} /dev/shm/.keep-{k}"]
+    for t in PRIVATE_TMP:
+        lines.append(f'if [ -d {t} ]; then mount -t tmpfs -o size=${{SANDBOX_TMPFS_MB}}m,mode=1777,nosuid,nodev tmpfs {t}; fi')
+    for k, d in enumerate(covered):
+        lines += _rebind(f"/dev/shm/.keep-{k}", d) + [f"rmdir /dev/shm/.keep-{k}"]
     for i, (anc, dirs) in enumerate(sorted(_exposures().items())):
         for j, d in enumerate(dirs):
-            stage = f"/tmp/.expose-{i}-{j}"
-            lines += [f"mkdir -p {stage}", f"mount --bind {shlex.quote(d)} {stage}"]
+            lines += [f"mkdir -p /dev/shm/.expose-{i}-{j}", f"mount --bind {shlex.quote(d)} /dev/shm/.expose-{i}-{j}"]
         lines.append(f"mount -t tmpfs -o size=1m,mode=755 tmpfs {shlex.quote(anc)}")
         for j, d in enumerate(dirs):
-            stage = f"/tmp/.expose-{i}-{j}"
-            lines += [f"mkdir -p {shlex.quote(d)}", f"mount --bind {stage} {shlex.quote(d)}",
-                      f"mount -o remount,bind,ro {shlex.quote(d)}", f"umount {stage}", f"rmdir {stage}"]
+            lines += _rebind(f"/dev/shm/.expose-{i}-{j}", d) + [f"rmdir /dev/shm/.expose-{i}-{j}"]
     lines.append('exec "$@"')
     return "\n".join(lines)
 

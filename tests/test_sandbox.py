@@ -142,6 +142,15 @@ def test_cannot_kill_parent_or_harness(pool):
     healthy(pool)
 
 
+def test_cannot_ptrace_the_worker(pool):
+    code = ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "rc = libc.ptrace(16, os.getppid(), None, None)  # PTRACE_ATTACH\nprint(rc, ctypes.get_errno())")
+    r = pool.run(code)
+    rc, errno = r.stdout.text.split()
+    assert rc == "-1" and int(errno) in (1, 3), r.stdout.text  # EPERM or ESRCH
+    healthy(pool)
+
+
 def test_no_network_even_loopback(pool):
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
