@@ -75,7 +75,7 @@ def _trimmed_traceback(exc):
     return "".join(traceback.format_exception(type(exc), exc, tb))
 
 
-def _compile(code, counter):
+def _compile(code):
     name = CELL_FILE
     linecache.cache[name] = (len(code), None, code.splitlines(True), name)
     return compile(code, name, "exec")
@@ -166,7 +166,7 @@ def _kill_others_and_reap(pgid=None):
             return
 
 
-def _run_forked(req, base_globals, cfg, counter):
+def _run_forked(req, base_globals, cfg):
     limits, uid = cfg["limits"], cfg.get("uid")
     workdir = cfg["workdir"]
     _fresh_dir(workdir, uid)
@@ -187,7 +187,7 @@ def _run_forked(req, base_globals, cfg, counter):
             sys.stderr = os.fdopen(2, "w", buffering=1, errors="backslashreplace", closefd=False)
             code = 0
             try:
-                exec(_compile(req["code"], counter), dict(base_globals))
+                exec(_compile(req["code"]), dict(base_globals))
             except SystemExit as e:
                 code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
                 if e.code is not None and not isinstance(e.code, int):
@@ -252,7 +252,7 @@ def _run_forked(req, base_globals, cfg, counter):
             "seconds": elapsed}
 
 
-def _run_inline(req, session_globals, cfg, counter):
+def _run_inline(req, session_globals, cfg):
     limits = cfg["limits"]
     cap = cfg["capture_bytes"]
     paths = [os.path.join(cfg["workdir"], ".stdout"), os.path.join(cfg["workdir"], ".stderr")]
@@ -272,7 +272,7 @@ def _run_inline(req, session_globals, cfg, counter):
     status = {"kind": "exit", "code": 0}
     try:
         signal.setitimer(signal.ITIMER_REAL, timeout)
-        exec(_compile(req["code"], counter), session_globals)
+        exec(_compile(req["code"]), session_globals)
     except CellTimeout:
         status = {"kind": "timeout"}
     except SystemExit as e:
@@ -330,17 +330,15 @@ def main():
         os.chdir(cfg["workdir"])
         _apply_limits(cfg["limits"], inline=True)
     _send({"ready": True, "pid": os.getpid(), "uid": os.getuid(), "failed_preimports": failed})
-    counter = 0
     session_globals = dict(base_globals)
     for req in _requests():
-        counter += 1
         if req.get("op") == "ping":
             _send({"pong": True})
             continue
         if inline:
-            reply = _run_inline(req, session_globals, cfg, counter)
+            reply = _run_inline(req, session_globals, cfg)
         else:
-            reply = _run_forked(req, base_globals, cfg, counter)
+            reply = _run_forked(req, base_globals, cfg)
         _send(reply)
 
 

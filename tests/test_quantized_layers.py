@@ -50,7 +50,6 @@ def test_loader_refuses_a_quantized_weight_without_scale(tmp_path, tiny_models):
     from safetensors.torch import load_file, save_file
 
     from server.embedded.loader import load_model
-    from trtbuild.quantize import _quantize_one  # noqa: F401  (module imports cleanly)
 
     src = tiny_models["llama-cot"]
     t = load_file(str(src / "model.safetensors"))
