@@ -17,7 +17,7 @@ import yaml
 from merge.config import effective_weights, mergekit_config
 from trtbuild import manifest as mf
 from trtbuild import sources
-from trtbuild.recipe import Recipe, to_data
+from trtbuild.recipe import Recipe
 
 VERSION = 1  # bump when the output of this stage changes for the same inputs
 STAGE = "merge"

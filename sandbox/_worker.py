@@ -211,7 +211,6 @@ def _run_forked(req, base_globals, cfg):
     deadline = t0 + float(req.get("timeout") or limits.get("wall_seconds", 10))
     open_fds = {out_r, err_r}
     exited = False
-    status = None
     while True:
         left = deadline - time.monotonic()
         if left <= 0:

@@ -28,7 +28,7 @@ from sandbox.worker import Worker, WorkerDied
 
 def _lost(e: WorkerDied, seconds: float, queue_seconds: float, total: float) -> CellResult:
     status = "timeout" if e.hung else "killed"
-    return CellResult(status, Stream.empty(), Stream.empty(), None, None, seconds, queue_seconds, total, note="")
+    return CellResult(status, Stream.empty(), Stream.empty(), None, None, seconds, queue_seconds, total)
 
 
 class SandboxPool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import selectors
+import shutil
 import signal
 import subprocess
 import sys
@@ -109,6 +110,4 @@ class Worker:
                 pass
         self._stderr.close()
         if self._scratch:
-            import shutil
-
             shutil.rmtree(self._scratch, ignore_errors=True)

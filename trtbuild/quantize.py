@@ -166,9 +166,7 @@ def run(recipe: Recipe) -> Path:
     results = {}
     for fmt in recipe.quantize.formats:
         final = out / fmt
-        if mf.is_current(final, fps[fmt]):
-            mf.log(STAGE, f"{fmt}: up to date")
-        else:
+        if not mf.up_to_date(final, fps[fmt], STAGE):
             if ref is None:
                 from server.embedded.loader import load_model
                 from trtbuild.hf import load_tokenizer, use_all_cores

@@ -75,8 +75,7 @@ def _run_one(recipe: Recipe, name: str) -> None:
     src = recipe.sources[name]
     final = recipe.out_dir / STAGE / name
     fp = _fingerprint(recipe, name)
-    if mf.is_current(final, fp):
-        mf.log(STAGE, f"{name}: up to date ({final})")
+    if mf.up_to_date(final, fp, STAGE):
         return
     if isinstance(src, TIRFinetuneSource):
         _run_one(recipe, src.base)
