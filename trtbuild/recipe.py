@@ -149,12 +149,50 @@ class SamplingSpec:
 
 
 @dataclass(frozen=True)
+class ToolSpec:
+    """The sandbox as the TIR client uses it."""
+
+    wall_seconds: float = 10.0  # per code call
+    memory_mb: int = 1024
+    stateful: bool = False  # one python session per sample (cells share variables) vs a fresh cell each
+
+
+@dataclass(frozen=True)
+class SolverSpec:
+    """Samples per problem, early stop, vote (defaults: the AIMO-2 winners')."""
+
+    samples: int = 12
+    early_stop_first: int = 5  # stop when `early_stop_agree` of the first `early_stop_first` answers agree
+    early_stop_agree: int = 4
+    enough_finished: int = 10  # ... or when this many samples have finished
+    vote: Literal["majority", "entropy"] = "majority"
+    modulus: Optional[int] = None  # answers mod this (AIMO-2: 1000)
+    top_logprobs: int = 5  # for the entropy-weighted vote
+    default_answer: int = 0  # when no sample produced an integer
+
+
+@dataclass(frozen=True)
+class BudgetSpec:
+    """Wall clock across a run of problems: AIMO-2 shared buffer or AIMO-3 remaining-time rule."""
+
+    policy: Literal["aimo2", "aimo3", "fixed"] = "aimo2"
+    total_seconds: Optional[float] = None  # whole run; default: problems * base_seconds
+    base_seconds: float = 350.0  # aimo2: per problem; fixed: the budget; aimo3: unused
+    max_extra_seconds: float = 210.0  # aimo2: most a problem may draw from the buffer
+    low_seconds: float = 300.0  # aimo3: min(high, max(low, time_left - low * problems_left_others))
+    high_seconds: float = 900.0
+
+
+@dataclass(frozen=True)
 class ServingSpec:
     code_tags: CodeTags = field(default_factory=CodeTags)
     sampling: SamplingSpec = field(default_factory=SamplingSpec)
     max_code_calls: int = 4
     output_chars: int = 200
     system_prompt: Optional[str] = None
+    tool: ToolSpec = field(default_factory=ToolSpec)
+    solver: SolverSpec = field(default_factory=SolverSpec)
+    budget: BudgetSpec = field(default_factory=BudgetSpec)
 
 
 @dataclass(frozen=True)
@@ -344,6 +382,31 @@ def _check(recipe: Recipe, where: str, check_paths: bool) -> None:
     for k in ("code_start", "code_end", "output_start", "output_end"):
         if not getattr(s.code_tags, k):
             fail(f"serving.code_tags.{k}", "must not be empty", getattr(s.code_tags, k))
+    if s.max_code_calls < 0 or s.output_chars < 1:
+        fail("serving.max_code_calls", "must be >= 0 (and output_chars >= 1)", (s.max_code_calls, s.output_chars))
+    if s.sampling.max_tokens < 1:
+        fail("serving.sampling.max_tokens", "must be >= 1", s.sampling.max_tokens)
+    if s.tool.wall_seconds <= 0:
+        fail("serving.tool.wall_seconds", "must be > 0", s.tool.wall_seconds)
+    v = s.solver
+    if v.samples < 1:
+        fail("serving.solver.samples", "must be >= 1", v.samples)
+    if not (1 <= v.early_stop_agree <= v.early_stop_first):
+        fail("serving.solver.early_stop_agree", f"must be in 1..early_stop_first ({v.early_stop_first})", v.early_stop_agree)
+    if not (1 <= v.enough_finished <= v.samples):
+        fail("serving.solver.enough_finished", f"must be in 1..samples ({v.samples})", v.enough_finished)
+    if v.modulus is not None and v.modulus < 2:
+        fail("serving.solver.modulus", "must be >= 2 or null", v.modulus)
+    if v.vote == "entropy" and v.top_logprobs < 2:
+        fail("serving.solver.top_logprobs", "the entropy vote needs >= 2 logprobs per token", v.top_logprobs)
+    b = s.budget
+    for k in ("base_seconds", "low_seconds", "high_seconds"):
+        if getattr(b, k) <= 0:
+            fail(f"serving.budget.{k}", "must be > 0", getattr(b, k))
+    if b.max_extra_seconds < 0:
+        fail("serving.budget.max_extra_seconds", "must be >= 0", b.max_extra_seconds)
+    if b.low_seconds > b.high_seconds:
+        fail("serving.budget.low_seconds", f"must be <= high_seconds ({b.high_seconds})", b.low_seconds)
 
 
 def parse_recipe(data: Any, where: str = "<recipe>", path: Path | None = None, check_paths: bool = True) -> Recipe:

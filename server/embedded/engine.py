@@ -1,0 +1,351 @@
+"""The embedded engine: in-flight batching over `SlotRunner`, behind the engine protocol.
+
+A scheduler thread owns the model. Each iteration it takes new requests and cancellations from
+its inbox, admits waiting requests into free slots (prefill), runs one decode step for every running
+sequence, and streams the new tokens to each request's asyncio queue. Sequences join and leave at
+token granularity; a finished or cancelled one gives its slot back before the next step.
+
+Prefix reuse: a slot keeps its KV after its request ends. A new request starts from the longest
+common token prefix found in any slot: a finished one is taken over (the next turn of a TIR sample
+continues from its own history without re-reading it), a running one is copied (samples of one
+problem share the prompt's prefill). `Final.cached_tokens` says how many prompt tokens were reused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator, Optional, Sequence
+
+import torch
+
+from server.embedded.runner import SlotRunner
+from server.embedded.sampler import make_generator, sample
+from server.protocol import Delta, Event, Final, Request, SamplingParams
+from server.textstream import IncrementalDetokenizer, StopMatcher
+
+
+@dataclass
+class _Seq:
+    req: Request
+    params: SamplingParams
+    prompt: list[int]
+    loop: asyncio.AbstractEventLoop
+    out: asyncio.Queue
+    detok: IncrementalDetokenizer
+    stopper: StopMatcher
+    gen: torch.Generator
+    submitted: float
+    slot: int = -1
+    kv_len: int = 0  # tokens whose KV is in the slot
+    generated: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    pending: Optional[int] = None  # sampled, not yet in the cache
+    cached: int = 0
+    scheduled: float = 0.0
+    max_new: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.generated
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    decode_tokens: int = 0
+    prefill_tokens: int = 0
+    cached_tokens: int = 0
+    forward_seconds: float = 0.0
+    sample_seconds: float = 0.0
+    busy_seconds: float = 0.0  # scheduler iterations with work, all included
+    requests: int = 0
+    batch_sizes: list[int] = field(default_factory=list)
+
+    @property
+    def bookkeeping_seconds(self) -> float:
+        return max(0.0, self.busy_seconds - self.forward_seconds - self.sample_seconds)
+
+
+class EmbeddedEngine:
+    name = "embedded"
+
+    def __init__(self, model: Any, tokenizer: Any, max_batch_size: int = 16, max_seq_len: int = 4096,
+                 max_input_len: Optional[int] = None, prefix_reuse: bool = True, threads: Optional[int] = None):
+        if threads or not os.environ.get("OMP_NUM_THREADS"):
+            torch.set_num_threads(threads or max(1, os.cpu_count() or 1))
+        self.model, self.tokenizer = model, tokenizer
+        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+        self.max_input_len = max_input_len or max_seq_len - 1
+        self.prefix_reuse = prefix_reuse
+        self.runner = SlotRunner(model, max_batch_size, max_seq_len)
+        self.eos_ids = self._eos_ids(model, tokenizer)
+        self.stats = EngineStats()
+        self._inbox: queue.Queue = queue.Queue()
+        self._waiting: list[_Seq] = []
+        self._active: list[_Seq] = []  # active[i].slot == i
+        self._parked: dict[int, tuple[list[int], float]] = {}  # slot -> (tokens with KV, last use)
+        self._by_id: dict[str, _Seq] = {}
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="embedded-engine", daemon=True)
+        self._thread.start()
+
+    # ---- construction
+    @classmethod
+    def from_dir(cls, engine_dir: str | Path, **overrides: Any) -> "EmbeddedEngine":
+        """Serve a folder written by `make engine` (build/embedded/) or a plain HF checkpoint folder."""
+        import json
+
+        from server.embedded.loader import load_model
+        from trtbuild.hf import load_tokenizer
+
+        engine_dir = Path(engine_dir)
+        spec_file = engine_dir / "engine.json"
+        if spec_file.is_file():
+            spec = json.loads(spec_file.read_text())
+            if spec.get("backend") != "embedded":
+                raise ValueError(f"{spec_file}: backend is {spec.get('backend')!r}, not 'embedded'")
+            model_dir = engine_dir / spec["model_dir"]
+            limits = spec["limits"]
+            kw = dict(max_batch_size=limits["max_batch_size"], max_seq_len=limits["max_seq_len"],
+                      max_input_len=limits["max_input_len"])
+        elif (engine_dir / "config.json").is_file():
+            model_dir, kw = engine_dir, {}
+        else:
+            raise FileNotFoundError(f"{engine_dir}: neither an embedded engine (engine.json) nor an HF checkpoint "
+                                    "(config.json); run `make engine` first")
+        kw.update(overrides)
+        return cls(load_model(model_dir), load_tokenizer(model_dir), **kw)
+
+    @staticmethod
+    def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+        ids: set[int] = set()
+        for src in (getattr(model, "generation_config", None), model.config):
+            e = getattr(src, "eos_token_id", None)
+            ids.update([e] if isinstance(e, int) else (e or []))
+        if tokenizer.eos_token_id is not None:
+            ids.add(tokenizer.eos_token_id)
+        return frozenset(ids)
+
+    # ---- the protocol
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def chat_prompt(self, problem: str, system_prompt: Optional[str] = None) -> str:
+        from trtbuild.hf import render_prompt
+
+        return render_prompt(self.tokenizer, problem, system_prompt)
+
+    async def generate(self, request: Request) -> AsyncIterator[Event]:
+        if self._closed:
+            raise RuntimeError("engine is closed")
+        loop = asyncio.get_running_loop()
+        out: asyncio.Queue = asyncio.Queue()
+        prompt = self.tokenize(request.prompt) if isinstance(request.prompt, str) else [int(t) for t in request.prompt]
+        p = request.params
+        seq = _Seq(request, p, prompt, loop, out, IncrementalDetokenizer(self.tokenizer), StopMatcher(p.stop),
+                   make_generator(p.seed), time.monotonic())
+        self._inbox.put(("add", seq))
+        finished = False
+        try:
+            while True:
+                ev = await out.get()
+                yield ev
+                if isinstance(ev, Final):
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.cancel(request.request_id)
+
+    def cancel(self, request_id: str) -> None:
+        self._inbox.put(("cancel", request_id))
+
+    async def close(self) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._inbox.put(("stop", None))
+        self._thread.join(timeout=30)
+
+    # ---- the scheduler thread
+    def _emit(self, seq: _Seq, ev: Event) -> None:
+        try:
+            seq.loop.call_soon_threadsafe(seq.out.put_nowait, ev)
+        except RuntimeError:
+            pass  # the caller's loop is gone: nobody is listening
+
+    def _loop(self) -> None:
+        while True:
+            block = not self._active and not self._waiting
+            try:
+                msgs = [self._inbox.get(timeout=0.5 if block else None)] if block else []
+            except queue.Empty:
+                msgs = []
+            while True:
+                try:
+                    msgs.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+            t0 = time.perf_counter()
+            for kind, arg in msgs:
+                if kind == "stop":
+                    for s in self._active + self._waiting:
+                        self._finish(s, "error", error="engine shut down")
+                    return
+                if kind == "add":
+                    self._by_id[arg.req.request_id] = arg
+                    self._waiting.append(arg)
+                    self.stats.requests += 1
+                elif kind == "cancel":
+                    s = self._by_id.get(arg)
+                    if s is not None:
+                        self._finish(s, "cancelled")
+            if not self._active and not self._waiting:
+                continue
+            try:
+                self._expire()
+                self._admit()
+                self._decode()
+            except Exception as e:  # a failed forward must not take the engine down: fail its requests
+                for s in self._active + self._waiting:
+                    self._finish(s, "error", error=f"{type(e).__name__}: {e}")
+            self.stats.busy_seconds += time.perf_counter() - t0
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for s in self._active + self._waiting:
+            if s.req.deadline is not None and now >= s.req.deadline:
+                self._finish(s, "timeout")
+
+    # slots: active sequences occupy 0..len(active)-1; the rest are parked (KV kept for reuse)
+    def _slot_tokens(self, slot: int) -> list[int]:
+        if slot < len(self._active):
+            s = self._active[slot]
+            return s.tokens[:s.kv_len]
+        return self._parked.get(slot, ([], 0.0))[0]
+
+    def _move_parked(self, src: int, dst: int) -> None:
+        """Exchange two parked (or free) slots, data and bookkeeping."""
+        if src == dst:
+            return
+        a, b = self._parked.pop(src, None), self._parked.pop(dst, None)
+        self.runner.swap(src, dst, max(len(a[0]) if a else 0, len(b[0]) if b else 0))
+        if a:
+            self._parked[dst] = a
+        if b:
+            self._parked[src] = b
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._active) < self.max_batch_size:
+            seq = self._waiting.pop(0)
+            n = len(seq.prompt)
+            if n == 0 or n > self.max_input_len:
+                self._finish(seq, "error", error=f"prompt of {n} tokens: must be 1..{self.max_input_len} (max_input_len)")
+                continue
+            seq.max_new = min(seq.params.max_tokens, self.max_seq_len - n)
+            if seq.max_new < 1:
+                self._finish(seq, "error", error=f"prompt of {n} tokens leaves no room below max_seq_len {self.max_seq_len}")
+                continue
+            slot = len(self._active)
+            best, best_len = -1, 0
+            if self.prefix_reuse:
+                for s in range(self.max_batch_size):
+                    toks = self._slot_tokens(s)
+                    m = min(len(toks), n - 1)  # keep one token to compute: its logits start the reply
+                    i = 0
+                    while i < m and toks[i] == seq.prompt[i]:
+                        i += 1
+                    if i > best_len or (i == best_len and i > 0 and s >= slot and best < slot):
+                        best, best_len = s, i
+            if best >= slot:  # a parked slot: take it over
+                self._move_parked(best, slot)
+                self._parked.pop(slot, None)
+            else:
+                victim = min(range(slot, self.max_batch_size), key=lambda s: self._parked.get(s, ([], -1.0))[1])
+                self._move_parked(victim, slot)
+                self._parked.pop(slot, None)
+                if best >= 0:
+                    self.runner.copy(best, slot, best_len)
+            seq.slot, seq.cached, seq.kv_len = slot, best_len, best_len
+            seq.scheduled = time.monotonic()
+            self._active.append(seq)
+            self.stats.cached_tokens += best_len
+            t0 = time.perf_counter()
+            logits = None
+            chunk = 512
+            for start in range(best_len, n, chunk):
+                logits = self.runner.prefill(slot, seq.prompt[start:start + chunk], start)
+            self.stats.forward_seconds += time.perf_counter() - t0
+            self.stats.prefill_tokens += n - best_len
+            seq.kv_len = n
+            self._sampled([seq], logits.unsqueeze(0))
+
+    def _decode(self) -> None:
+        live = [s for s in self._active if s.pending is not None]
+        if not live:
+            return
+        assert all(s.slot == i for i, s in enumerate(self._active))
+        t0 = time.perf_counter()
+        logits = self.runner.decode([s.pending for s in self._active], [s.kv_len for s in self._active])
+        self.stats.forward_seconds += time.perf_counter() - t0
+        self.stats.steps += 1
+        self.stats.decode_tokens += len(self._active)
+        self.stats.batch_sizes.append(len(self._active))
+        for s in self._active:
+            s.kv_len += 1
+        self._sampled(list(self._active), logits)
+
+    def _sampled(self, seqs: list[_Seq], logits: torch.Tensor) -> None:
+        t0 = time.perf_counter()
+        toks, tops = sample(logits, [s.params for s in seqs], [s.gen for s in seqs])
+        self.stats.sample_seconds += time.perf_counter() - t0
+        for s, tok, top in zip(seqs, toks, tops):
+            s.generated.append(tok)
+            s.pending = tok
+            eos = tok in self.eos_ids or tok in s.params.stop_token_ids
+            text, matched, overhang = ("", None, "") if eos else s.stopper.feed(s.detok.push([tok]))
+            s.text.append(text)
+            self._emit(s, Delta((tok,), text, (top,) if top is not None else None))
+            if eos:
+                self._finish(s, "stop")
+            elif matched is not None:
+                self._finish(s, "stop", stop_string=matched, overhang=overhang + s.detok.flush())
+            elif len(s.generated) >= s.max_new:
+                self._finish(s, "length")
+
+    def _finish(self, seq: _Seq, reason: str, stop_string: Optional[str] = None, overhang: str = "", error: str = "") -> None:
+        if self._by_id.pop(seq.req.request_id, None) is None:
+            return  # already final
+        if stop_string is None and reason != "error":
+            tail = seq.stopper.feed(seq.detok.flush())[0] + seq.stopper.flush()
+            if tail:
+                seq.text.append(tail)
+                self._emit(seq, Delta((), tail))
+        if seq in self._waiting:
+            self._waiting.remove(seq)
+        if seq.slot >= 0 and seq.slot < len(self._active) and self._active[seq.slot] is seq:
+            i, last = seq.slot, len(self._active) - 1
+            if i != last:
+                other = self._active[last]
+                self.runner.swap(i, last, max(seq.kv_len, other.kv_len))
+                self._active[i], other.slot = other, i
+            self._active.pop()
+            self._parked[last] = (seq.tokens[:seq.kv_len], time.monotonic())
+        now = time.monotonic()
+        self._emit(seq, Final(
+            request_id=seq.req.request_id, finish_reason=reason, text="".join(seq.text),  # type: ignore[arg-type]
+            token_ids=tuple(seq.generated), prompt_tokens=len(seq.prompt), stop_string=stop_string,
+            overhang=overhang, error=error, cached_tokens=seq.cached,
+            queue_seconds=(seq.scheduled or now) - seq.submitted, seconds=now - seq.submitted))

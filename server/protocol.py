@@ -1,0 +1,105 @@
+"""The engine protocol every backend implements (embedded, trtllm, triton) and the solver uses.
+
+A request is submitted with token ids (or text) and sampling parameters; the caller gets an async
+stream of `Delta`s ending with exactly one `Final`, whatever happens: finished, stopped, cancelled,
+timed out, or the engine failed. Stop strings are matched on decoded text, so a string split over
+several tokens still stops the request; `Final.overhang` is the decoded text of the last token past
+the end of the stop string, so that `text + overhang` is what the tokens decode to (the prefix
+contract: a continuation can reuse the exact token history).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Literal, Optional, Protocol, Sequence, Union
+
+FinishReason = Literal["stop", "length", "cancelled", "timeout", "error"]
+FINISH_REASONS: tuple[str, ...] = ("stop", "length", "cancelled", "timeout", "error")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.7  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    seed: Optional[int] = None
+    max_tokens: int = 1024
+    stop: tuple[str, ...] = ()  # matched on decoded text
+    stop_token_ids: tuple[int, ...] = ()  # besides the model's end-of-sequence ids
+    top_logprobs: int = 0  # return this many (token id, logprob) pairs per generated token
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0):
+            raise ValueError(f"SamplingParams.temperature must be >= 0 (got {self.temperature})")
+        if not (0 < self.top_p <= 1):
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1] (got {self.top_p})")
+        if self.top_k < 0 or self.max_tokens < 1 or self.top_logprobs < 0:
+            raise ValueError(f"SamplingParams: top_k, top_logprobs must be >= 0 and max_tokens >= 1 (got {self})")
+        if any(not s for s in self.stop):
+            raise ValueError("SamplingParams.stop: stop strings must not be empty")
+
+
+@dataclass
+class Request:
+    prompt: Union[str, Sequence[int]]  # text (tokenized by the engine) or token ids
+    params: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str = ""
+    deadline: Optional[float] = None  # time.monotonic() after which the request ends with 'timeout'
+
+    def __post_init__(self) -> None:
+        if not self.request_id:
+            self.request_id = f"req-{next(_ids)}"
+
+
+_ids = itertools.count()
+
+
+@dataclass(frozen=True)
+class Delta:
+    """Newly generated tokens and the text they complete (text may lag tokens by a partial character
+    or a possible stop-string prefix; it catches up at the latest in `Final`)."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    logprobs: Optional[tuple[tuple[tuple[int, float], ...], ...]] = None  # per token: top (id, logprob)
+
+
+@dataclass(frozen=True)
+class Final:
+    request_id: str
+    finish_reason: FinishReason
+    text: str  # all generated text, cut right after the stop string when one matched
+    token_ids: tuple[int, ...]  # all generated tokens
+    prompt_tokens: int
+    stop_string: Optional[str] = None
+    overhang: str = ""  # decoded text of the tokens past the stop string (see module doc)
+    error: str = ""
+    cached_tokens: int = 0  # prompt tokens served from a reused KV prefix
+    queue_seconds: float = 0.0  # submitted -> first scheduled
+    seconds: float = 0.0  # submitted -> final
+
+
+Event = Union[Delta, Final]
+
+
+class Engine(Protocol):
+    """What the solver needs from a backend."""
+
+    name: str
+
+    def tokenize(self, text: str) -> list[int]: ...
+
+    def detokenize(self, token_ids: Sequence[int]) -> str: ...
+
+    def chat_prompt(self, problem: str, system_prompt: Optional[str] = None) -> str: ...
+
+    def generate(self, request: Request) -> AsyncIterator[Event]:
+        """Submit and stream; ends with one Final. Breaking out of the iterator cancels the request."""
+        ...
+
+    def cancel(self, request_id: str) -> None:
+        """Ask a request to end; its stream still ends with a Final ('cancelled' unless it had finished)."""
+        ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,149 @@
+"""A run over many problems: the time budget, the solver, progress, and the whole-run figures."""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+from server.budget import TimeBudget
+from server.solver import SolveResult, Solver
+
+
+@dataclass(frozen=True)
+class Problem:
+    id: str
+    text: str
+    answer: Optional[int] = None
+
+
+def read_problems(path: str | Path) -> list[Problem]:
+    """A CSV with columns id, problem and optionally answer (an integer)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such problems file")
+    with path.open(newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        cols = reader.fieldnames or []
+        for need in ("id", "problem"):
+            if need not in cols:
+                raise ValueError(f"{path}: missing column {need!r} (columns: {', '.join(cols) or 'none'})")
+        out, seen = [], set()
+        for row_no, row in enumerate(reader, start=2):
+            pid, text = (row.get("id") or "").strip(), (row.get("problem") or "").strip()
+            if not pid or not text:
+                raise ValueError(f"{path}: line {row_no}: empty id or problem")
+            if pid in seen:
+                raise ValueError(f"{path}: line {row_no}: duplicate id {pid!r}")
+            seen.add(pid)
+            raw = (row.get("answer") or "").strip()
+            try:
+                answer = int(raw) if raw else None
+            except ValueError:
+                raise ValueError(f"{path}: line {row_no}: column 'answer' must be an integer (got {raw!r})") from None
+            out.append(Problem(pid, text, answer))
+    if not out:
+        raise ValueError(f"{path}: no problems")
+    return out
+
+
+@dataclass
+class RunReport:
+    results: list[SolveResult] = field(default_factory=list)
+    wall_seconds: float = 0.0
+    engine_busy_seconds: float = 0.0
+
+    @property
+    def tokens(self) -> int:
+        return sum(r.tokens for r in self.results)
+
+    @property
+    def scored(self) -> list[SolveResult]:
+        return [r for r in self.results if r.expected is not None]
+
+    @property
+    def correct(self) -> int:
+        return sum(bool(r.correct) for r in self.scored)
+
+    def lanes(self) -> dict[str, float]:
+        """Sample-seconds per lane across all samples, and the engine's idle share of the wall clock."""
+        traces = [t for r in self.results for t in r.traces]
+        gen = sum(t.generation_seconds for t in traces)
+        tool = sum(t.tool_seconds for t in traces)
+        total = sum(t.seconds for t in traces)
+        return {"generation": gen, "tool": tool, "other": max(0.0, total - gen - tool),
+                "engine_idle": max(0.0, self.wall_seconds - self.engine_busy_seconds)}
+
+    def summary(self) -> dict:
+        lanes = self.lanes()
+        return {
+            "problems": len(self.results), "scored": len(self.scored), "correct": self.correct,
+            "accuracy": self.correct / len(self.scored) if self.scored else None,
+            "wall_seconds": self.wall_seconds, "tokens": self.tokens,
+            "tokens_per_second": self.tokens / self.wall_seconds if self.wall_seconds else 0.0,
+            "code_calls": sum(r.code_calls for r in self.results),
+            "lanes_seconds": lanes,
+        }
+
+    def table(self) -> str:
+        head = f"{'id':<12} {'answer':>8} {'expected':>8} {'ok':>3} {'votes':<22} {'secs':>6} {'fin':>3} {'canc':>4} {'calls':>5} {'stop':<8}"
+        lines = [head, "-" * len(head)]
+        for r in self.results:
+            votes = ",".join(f"{a}:{w:g}" for a, w in sorted(r.votes.items(), key=lambda kv: -kv[1])[:3]) or "-"
+            ok = "" if r.correct is None else ("yes" if r.correct else "no")
+            exp = "" if r.expected is None else str(r.expected)
+            lines.append(f"{r.problem_id[:12]:<12} {r.answer:>8} {exp:>8} {ok:>3} {votes[:22]:<22} {r.seconds:>6.1f} "
+                         f"{r.finished:>3} {r.cancelled:>4} {r.code_calls:>5} {r.stop_rule:<8}")
+        s = self.summary()
+        lanes = s["lanes_seconds"]
+        acc = f"{s['correct']}/{s['scored']} correct" if s["scored"] else "no answers to score"
+        lanes_total = lanes["generation"] + lanes["tool"] + lanes["other"] or 1.0
+        lines += ["-" * len(head),
+                  f"{acc}; {s['tokens']} tokens in {s['wall_seconds']:.1f} s = {s['tokens_per_second']:.1f} tok/s (whole run); "
+                  f"{s['code_calls']} code calls",
+                  f"sample time: generation {100 * lanes['generation'] / lanes_total:.1f}%, tool {100 * lanes['tool'] / lanes_total:.1f}%, "
+                  f"other {100 * lanes['other'] / lanes_total:.1f}%; engine idle {lanes['engine_idle']:.1f} s of {s['wall_seconds']:.1f} s wall"]
+        return "\n".join(lines)
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+async def run_problems(solver: Solver, problems: list[Problem], budget: TimeBudget,
+                       traces_path: Optional[Path] = None, engine_stats: Optional[Callable[[], float]] = None,
+                       progress: Callable[[str], None] = log) -> RunReport:
+    """Solve problems in order under the budget; traces go to JSONL as each problem ends."""
+    report = RunReport()
+    t0 = time.monotonic()
+    busy0 = engine_stats() if engine_stats else 0.0
+    out = traces_path.open("w") if traces_path else None
+    try:
+        for i, p in enumerate(problems, start=1):
+            allowance = budget.allowance()
+            deadline_on_budget_clock = budget.start()
+            # the solver runs on the real monotonic clock; convert the budget's deadline
+            deadline = time.monotonic() + (deadline_on_budget_clock - budget.clock())
+            progress(f"[solve {i}/{len(problems)}] {p.id}: budget {allowance:.0f} s (buffer {budget.buffer:.0f} s, "
+                     f"{budget.time_left():.0f} s left)")
+            result = await solver.solve(p.id, p.text, deadline, p.answer)
+            budget.finish()
+            report.results.append(result)
+            ok = "" if result.correct is None else (" correct" if result.correct else f" wrong (expected {p.answer})")
+            progress(f"[solve {i}/{len(problems)}] {p.id}: answer {result.answer}{ok}; {result.seconds:.1f} s, "
+                     f"{result.finished} finished, {result.cancelled} cancelled, {result.code_calls} code calls, "
+                     f"stop: {result.stop_rule}")
+            if out:
+                for t in result.traces:
+                    out.write(json.dumps({"problem_id": p.id, **t.to_json()}) + "\n")
+                out.flush()
+    finally:
+        if out:
+            out.close()
+    report.wall_seconds = time.monotonic() - t0
+    report.engine_busy_seconds = (engine_stats() - busy0) if engine_stats else report.wall_seconds
+    return report

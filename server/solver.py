@@ -1,0 +1,161 @@
+"""One problem: N TIR samples at once, early stop when answers agree, cancel the rest, vote.
+
+Rules (defaults are the AIMO-2 winners'):
+- a sample *finishes* when it ends on its own (end of sequence, max tokens); cancelled and timed-out
+  samples do not count as finished;
+- early stop: when `agree` of the first `first` finished samples have the same answer (checked as
+  each of those first samples finishes), or when `enough` samples have finished, or at the deadline;
+  the others are then cancelled (their final messages are awaited, so nothing leaks into the next
+  problem);
+- vote over every sample with an integer answer, a cut-off one included: `majority` counts votes,
+  `entropy` weights each by 1 / its mean token entropy (top-k logprobs; confident samples count
+  more). Ties go to the answer whose first vote came first. No answer at all: `default_answer`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import zlib
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Optional
+
+from server.protocol import Engine
+from server.tir import SampleTrace, TIRClient
+
+FINISHED = ("eos", "length", "max_tokens")
+CANCEL_GRACE = 30.0  # seconds a cancelled sample may take to report its end
+MIN_ENTROPY = 1e-3  # a sample with ~0 entropy gets weight 1000, not infinity
+
+
+@dataclass(frozen=True)
+class SolverConfig:
+    samples: int = 12
+    first: int = 5
+    agree: int = 4
+    enough: int = 10
+    vote: str = "majority"
+    modulus: Optional[int] = None
+    default_answer: int = 0
+    system_prompt: Optional[str] = None
+
+    @classmethod
+    def from_spec(cls, spec, system_prompt: Optional[str] = None) -> "SolverConfig":
+        return cls(spec.samples, spec.early_stop_first, spec.early_stop_agree, spec.enough_finished, spec.vote,
+                   spec.modulus, spec.default_answer, system_prompt)
+
+
+@dataclass
+class SolveResult:
+    problem_id: str
+    answer: int
+    votes: dict[int, float]
+    stop_rule: str  # agree | enough | all | deadline
+    seconds: float
+    traces: list[SampleTrace] = field(default_factory=list)
+    expected: Optional[int] = None
+    default_used: bool = False
+
+    @property
+    def correct(self) -> Optional[bool]:
+        return None if self.expected is None else self.answer == self.expected
+
+    @property
+    def finished(self) -> int:
+        return sum(t.finish in FINISHED for t in self.traces)
+
+    @property
+    def cancelled(self) -> int:
+        return sum(t.finish == "cancelled" for t in self.traces)
+
+    @property
+    def code_calls(self) -> int:
+        return sum(len(t.code_calls) for t in self.traces)
+
+    @property
+    def tokens(self) -> int:
+        return sum(t.tokens for t in self.traces)
+
+
+def vote(traces: list[SampleTrace], method: str = "majority") -> tuple[Optional[int], dict[int, float]]:
+    """(winner, weight per answer); traces in the order they ended (the tie rule uses it)."""
+    weights: dict[int, float] = {}
+    first_seen: dict[int, int] = {}
+    for i, t in enumerate(traces):
+        if t.answer is None:
+            continue
+        if method == "entropy":
+            e = t.mean_entropy
+            w = 1.0 / max(e if e is not None else 1.0, MIN_ENTROPY)
+        else:
+            w = 1.0
+        weights[t.answer] = weights.get(t.answer, 0.0) + w
+        first_seen.setdefault(t.answer, i)
+    if not weights:
+        return None, {}
+    winner = min(weights, key=lambda a: (-weights[a], first_seen[a]))
+    return winner, weights
+
+
+def early_stop(finished_answers: list[Optional[int]], n_samples: int, cfg: SolverConfig) -> Optional[str]:
+    """The rule that ends the problem now, given answers of finished samples in finish order."""
+    n = len(finished_answers)
+    if n <= cfg.first:
+        counts = Counter(a for a in finished_answers if a is not None)
+        if counts and counts.most_common(1)[0][1] >= cfg.agree:
+            return "agree"
+    if n >= cfg.enough:
+        return "enough"
+    if n >= n_samples:
+        return "all"
+    return None
+
+
+class Solver:
+    def __init__(self, engine: Engine, client: TIRClient, config: SolverConfig = SolverConfig()):
+        self.engine, self.client, self.config = engine, client, config
+
+    async def solve(self, problem_id: str, problem: str, deadline: Optional[float] = None,
+                    expected: Optional[int] = None) -> SolveResult:
+        cfg = self.config
+        t0 = time.monotonic()
+        prompt = self.engine.tokenize(self.engine.chat_prompt(problem, cfg.system_prompt))
+        base_seed = zlib.crc32(f"{problem_id}\n{problem}".encode()) % 100_000
+        cancel = asyncio.Event()
+        tasks = {asyncio.ensure_future(self.client.run(prompt, i, base_seed + i, deadline, cancel, cfg.modulus)): i
+                 for i in range(cfg.samples)}
+        ended: list[SampleTrace] = []
+        finished_answers: list[Optional[int]] = []
+        rule = "all"
+        pending = set(tasks)
+        while pending:
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic()) + 5.0
+            done, pending = await asyncio.wait(pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            if not done:  # the engine did not honour the deadline: cancel everything
+                rule = "deadline"
+                break
+            for task in sorted(done, key=lambda t: t.result().seconds):
+                trace = task.result()
+                ended.append(trace)
+                if trace.finish in FINISHED:
+                    finished_answers.append(trace.answer)
+                elif trace.finish == "timeout":
+                    rule = "deadline"
+            hit = early_stop(finished_answers, cfg.samples, cfg)
+            if hit and pending:
+                rule = hit
+                break
+            if hit:
+                rule = hit
+        if pending:
+            cancel.set()
+            done, stuck = await asyncio.wait(pending, timeout=CANCEL_GRACE)
+            ended.extend(sorted((t.result() for t in done), key=lambda t: t.seconds))
+            for task in stuck:  # the engine did not answer the cancel: drop the sample, keep going
+                task.cancel()
+                ended.append(SampleTrace(sample=tasks[task], seed=base_seed + tasks[task], finish="error",
+                                         error=f"no final message {CANCEL_GRACE:.0f}s after cancel"))
+        winner, weights = vote(ended, cfg.vote)
+        return SolveResult(problem_id, cfg.default_answer if winner is None else winner, weights, rule,
+                           time.monotonic() - t0, ended, expected, winner is None)
