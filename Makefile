@@ -12,14 +12,16 @@ OUT     := engines/$(MODEL)
 TB      := $(PY) -m trtbuild --recipe $(RECIPE)
 SETUP   := $(VENV)/.setup-done
 PYTEST_ARGS ?=
+PROBLEMS ?= engines/problems/smoke.csv
 
-.PHONY: help setup engine sources merge quantize build report check test bench clean
+.PHONY: help setup engine sources merge quantize build report check solve test bench clean
 
 help:
 	@echo "make setup                 create $(VENV) with the pinned embedded environment"
 	@echo "make engine MODEL=mix      sources -> merge -> quantize -> build into $(OUT)/ (BACKEND=auto|embedded|trtllm)"
 	@echo "make report MODEL=mix      summary of a finished build (times, sizes, checks, quality)"
 	@echo "make check MODEL=mix       validate the recipe only"
+	@echo "make solve MODEL=mix       build if needed, then solve PROBLEMS=$(PROBLEMS) (results table, runs/$(MODEL)/)"
 	@echo "make test                  the test suite (what CI runs)"
 	@echo "make bench                 benchmarks (sandbox latency/throughput) -> bench/*.json"
 	@echo "make clean MODEL=mix       remove $(OUT)/"
@@ -63,6 +65,9 @@ build: $(OUT)/quantize/manifest.json
 
 engine: build
 	@$(TB) report
+
+solve: build
+	$(PY) -m server.solve --recipe $(RECIPE) --problems $(PROBLEMS) --backend $(BACKEND)
 
 report: $(SETUP)
 	@$(TB) report

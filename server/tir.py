@@ -128,7 +128,7 @@ class TIRClient:
                     temperature=self.sampling.temperature, top_p=self.sampling.top_p, top_k=self.sampling.top_k,
                     seed=seed * 1000 + trace.turns, max_tokens=remaining,
                     stop=(self.tags.code_end,) if calls_left else (), top_logprobs=self.top_logprobs)
-                final = await self._turn(Request(history, params, f"s{seed}-t{trace.turns}", deadline), trace, cancelled)
+                final = await self._turn(Request(tuple(history), params, f"s{seed}-t{trace.turns}", deadline), trace, cancelled)
                 trace.turns += 1
                 trace.tokens += len(final.token_ids)
                 trace.cached_tokens += final.cached_tokens

@@ -178,3 +178,63 @@ def test_recipe_change_reruns_only_affected_stages(qwen_build, tmp_path):
     assert main(["engine", "--recipe", str(path), "--backend", "embedded"]) == 0
     after = _finished(qwen_build.out_dir)
     assert {d for d in STAGE_DIRS if after[d] != before[d]} == {"build/embedded"}
+
+
+def test_solve_end_to_end_on_the_built_engine(qwen_build, tmp_path, capsys):
+    """`python -m server.solve` on the pipeline's int8 engine, with the real sandbox.
+
+    A random model writes no python, so the code tags are taken from its own greedy reply: the
+    TIR loop then really intercepts a "code block", runs it in the sandbox (a syntax error) and feeds
+    the error back, and the solver votes over real samples.
+    """
+    import asyncio
+    import json
+
+    import yaml
+
+    from server.embedded.engine import EmbeddedEngine
+    from server.protocol import Final, Request, SamplingParams
+    from server.solve import main as solve_main
+
+    eng = EmbeddedEngine.from_dir(qwen_build.out_dir / "build" / "embedded")
+
+    async def greedy():
+        async for ev in eng.generate(Request(eng.chat_prompt("What is 6 times 7?"), SamplingParams(temperature=0, max_tokens=48))):
+            if isinstance(ev, Final):
+                return ev.text
+    text = asyncio.run(greedy())
+    eng.shutdown()
+    j = next(j for j in range(4, len(text) - 1) if text.find(text[j:j + 2]) == j)
+    tags = {"code_start": text[:2], "code_end": text[j:j + 2], "output_start": "<out>\n", "output_end": "</out>\n"}
+
+    data = yaml.safe_load(qwen_build.path.read_text())
+    data["serving"] = {"code_tags": tags, "sampling": {"temperature": 0.0, "max_tokens": 48}, "max_code_calls": 2,
+                       "solver": {"samples": 3, "early_stop_first": 3, "early_stop_agree": 3, "enough_finished": 3},
+                       "budget": {"policy": "aimo2", "base_seconds": 60, "max_extra_seconds": 10}}
+    recipe = qwen_build.path.with_name("solve.yaml")
+    recipe.write_text(yaml.safe_dump(data))
+    problems = tmp_path / "p.csv"
+    problems.write_text('id,problem,answer\nsix,What is 6 times 7?,42\nother,"Name a prime, please.",\n')
+    out = tmp_path / "run"
+    assert solve_main(["--recipe", str(recipe), "--problems", str(problems), "--out", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "tok/s (whole run)" in table and "six" in table
+    summary = json.loads((out / "results.json").read_text())
+    assert summary["problems"] == 2 and summary["scored"] == 1 and summary["tokens"] > 0
+    traces = [json.loads(line) for line in (out / "traces.jsonl").read_text().splitlines()]
+    assert len(traces) == 6
+    six = [t for t in traces if t["problem_id"] == "six"]
+    assert all(t["code_calls"] and t["code_calls"][0]["status"] == "error" for t in six)
+    assert all("<out>\n" in t["text"] for t in six) and all(t["tool_seconds"] > 0 for t in six)
+
+
+def test_solve_reports_bad_problem_files(qwen_build, tmp_path, capsys):
+    from server.solve import main as solve_main
+
+    bad = tmp_path / "bad.csv"
+    bad.write_text("id,question\n1,hi\n")
+    assert solve_main(["--recipe", str(qwen_build.path), "--problems", str(bad)]) == 2
+    assert "missing column 'problem'" in capsys.readouterr().err
+    bad.write_text("id,problem,answer\n1,hi,seven\n")
+    assert solve_main(["--recipe", str(qwen_build.path), "--problems", str(bad)]) == 2
+    assert "line 2: column 'answer' must be an integer (got 'seven')" in capsys.readouterr().err

@@ -1,0 +1,200 @@
+"""The embedded engine on a tiny real model: exactness of in-flight batching, prefix reuse, stop
+strings, cancellation, deadlines, seeds, errors. Plus the text-stream helpers it relies on."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from server.answers import last_boxed, normalize
+from server.embedded.engine import EmbeddedEngine
+from server.protocol import Delta, Final, Request, SamplingParams
+from server.textstream import StopMatcher
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_models):
+    from transformers import AutoModelForCausalLM
+
+    from trtbuild.hf import load_tokenizer
+
+    path = tiny_models["llama-cot"]
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    return model, load_tokenizer(path)
+
+
+@pytest.fixture()
+def engine(hf):
+    eng = EmbeddedEngine(*hf, max_batch_size=3, max_seq_len=256, threads=1)
+    yield eng
+    eng.shutdown()
+
+
+def prompts(tok, n):
+    return [tok.apply_chat_template([{"role": "user", "content": f"What is {i} + {i * 7}?"}], tokenize=False,
+                                    add_generation_prompt=True) for i in range(n)]
+
+
+def hf_greedy(hf, text, n):
+    model, tok = hf
+    ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
+    with torch.inference_mode():
+        out = model.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=tok.eos_token_id,
+                             pad_token_id=tok.pad_token_id)
+    return out[0, ids.shape[1]:].tolist()
+
+
+async def collect(engine, request):
+    deltas, final = [], None
+    async for ev in engine.generate(request):
+        if isinstance(ev, Final):
+            final = ev
+        else:
+            deltas.append(ev)
+    return deltas, final
+
+
+def test_greedy_equals_hf_generate_with_staggered_joins_and_queueing(engine, hf):
+    texts = prompts(hf[1], 5)
+
+    async def go():
+        first = [asyncio.ensure_future(collect(engine, Request(t, GREEDY))) for t in texts[:2]]
+        await asyncio.sleep(0.05)  # the others join a running batch (and two wait for a slot)
+        rest = [asyncio.ensure_future(collect(engine, Request(t, GREEDY))) for t in texts[2:]]
+        return await asyncio.gather(*first, *rest)
+
+    results = asyncio.run(go())
+    for text, (deltas, final) in zip(texts, results):
+        ref = hf_greedy(hf, text, 24)
+        assert list(final.token_ids) == ref[: len(final.token_ids)] and len(final.token_ids) == len(ref)
+        assert [t for d in deltas for t in d.token_ids] == list(final.token_ids)
+        assert "".join(d.text for d in deltas) == final.text == hf[1].decode(ref, skip_special_tokens=True)
+    assert max(engine.stats.batch_sizes) == 3 and not engine._active
+
+
+def test_prefix_reuse_is_exact(hf):
+    text = prompts(hf[1], 1)[0]
+    reuse = EmbeddedEngine(*hf, max_batch_size=2, max_seq_len=256, threads=1)
+    fresh = EmbeddedEngine(*hf, max_batch_size=2, max_seq_len=256, prefix_reuse=False, threads=1)
+    try:
+        _, a = asyncio.run(collect(reuse, Request(text, GREEDY)))
+        turn2 = reuse.tokenize(text) + list(a.token_ids) + reuse.tokenize("```output\n42\n```\n")
+        _, b = asyncio.run(collect(reuse, Request(turn2, GREEDY)))
+        _, c = asyncio.run(collect(fresh, Request(turn2, GREEDY)))
+        assert b.cached_tokens == len(reuse.tokenize(text)) + len(a.token_ids) - 1  # the last token had no KV yet
+        assert c.cached_tokens == 0 and b.token_ids == c.token_ids
+        # several samples of one prompt share its prefill
+        async def many():
+            return await asyncio.gather(*[collect(reuse, Request(text, SamplingParams(seed=i, max_tokens=4))) for i in range(2)])
+        finals = [f for _, f in asyncio.run(many())]
+        assert all(f.cached_tokens == len(reuse.tokenize(text)) - 1 for f in finals)
+    finally:
+        reuse.shutdown()
+        fresh.shutdown()
+
+
+def test_stop_string_spanning_tokens(engine, hf):
+    text = prompts(hf[1], 1)[0]
+    _, full = asyncio.run(collect(engine, Request(text, SamplingParams(temperature=0, max_tokens=40))))
+    pieces = [hf[1].decode([t]) for t in full.token_ids]
+    # a stop string made of the end of token 3 and the start of token 4
+    stop = pieces[2][-1:] + pieces[3][:1]
+    assert len(stop) == 2
+    _, f = asyncio.run(collect(engine, Request(text, SamplingParams(temperature=0, max_tokens=40, stop=(stop,)))))
+    cut = full.text.index(stop) + len(stop)
+    assert f.finish_reason == "stop" and f.stop_string == stop and f.text == full.text[:cut]
+    assert f.text + f.overhang == hf[1].decode(list(f.token_ids), skip_special_tokens=True)
+
+
+def test_cancel_mid_stream_frees_the_slot(engine, hf):
+    text = prompts(hf[1], 1)[0]
+
+    async def go():
+        req = Request(text, SamplingParams(temperature=1.0, max_tokens=200, seed=3, stop_token_ids=()))
+        got = []
+        async for ev in engine.generate(req):
+            got.append(ev)
+            if len(got) == 3:
+                engine.cancel(req.request_id)
+        return got
+
+    events = asyncio.run(go())
+    final = events[-1]
+    assert isinstance(final, Final) and sum(isinstance(e, Final) for e in events) == 1
+    assert final.finish_reason in ("cancelled", "stop") and len(final.token_ids) < 200
+    assert not engine._active
+    _, again = asyncio.run(collect(engine, Request(text, GREEDY)))
+    assert again.finish_reason in ("stop", "length")
+
+
+def test_breaking_out_of_the_stream_cancels(engine, hf):
+    text = prompts(hf[1], 1)[0]
+
+    async def go():
+        async for ev in engine.generate(Request(text, SamplingParams(max_tokens=200, seed=1))):
+            break
+        await asyncio.sleep(0.3)
+
+    asyncio.run(go())
+    assert not engine._active and not engine._by_id
+
+
+def test_deadline_ends_with_timeout(engine, hf):
+    text = prompts(hf[1], 1)[0]
+    _, f = asyncio.run(collect(engine, Request(text, SamplingParams(max_tokens=200, seed=1), deadline=time.monotonic())))
+    assert f.finish_reason == "timeout"
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(engine, hf):
+    a, b = prompts(hf[1], 2)
+    p = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=7, max_tokens=16)
+    _, alone = asyncio.run(collect(engine, Request(a, p)))
+
+    async def crowded():
+        return await asyncio.gather(collect(engine, Request(a, p)),
+                                    collect(engine, Request(b, SamplingParams(temperature=1.0, seed=1, max_tokens=16))))
+    (_, together), _ = asyncio.run(crowded())
+    assert alone.token_ids == together.token_ids
+    _, other = asyncio.run(collect(engine, Request(a, SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=8, max_tokens=16))))
+    assert other.token_ids != alone.token_ids
+
+
+def test_top_logprobs_are_reported(engine, hf):
+    deltas, f = asyncio.run(collect(engine, Request(prompts(hf[1], 1)[0], SamplingParams(temperature=0, max_tokens=5, top_logprobs=3))))
+    tops = [top for d in deltas for top in (d.logprobs or ())]
+    assert len(tops) == len(f.token_ids) and all(len(t) == 3 for t in tops)
+    assert all(t[0][0] == tok for t, tok in zip(tops, f.token_ids))  # greedy picks the top token
+
+
+def test_bad_requests_get_a_final_error(engine):
+    _, f = asyncio.run(collect(engine, Request(list(range(5)) * 60, GREEDY)))
+    assert f.finish_reason == "error" and "max_input_len" in f.error
+    _, f = asyncio.run(collect(engine, Request([], GREEDY)))
+    assert f.finish_reason == "error"
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+
+
+def test_stop_matcher_holds_back_partial_matches():
+    m = StopMatcher(["```\n", "</tool_call>"])
+    assert m.feed("abc`") == ("abc", None, "")
+    assert m.feed("``") == ("", None, "")
+    assert m.feed("\nrest") == ("```\n", "```\n", "rest")
+    m = StopMatcher(["ab"])
+    assert m.feed("xa") == ("x", None, "") and m.flush() == "a"
+
+
+@pytest.mark.parametrize("text,value", [
+    ("so \\boxed{12}.", 12), ("\\boxed{1} then \\boxed{ 1,000 }", 1000), ("\\boxed{\\frac{1}{2}}", None),
+    ("$\\boxed{12.0}$", 12), ("\\boxed{\\text{7}}", 7), ("no box", None), ("\\boxed{3", None), ("\\boxed{-4}", -4)])
+def test_answers(text, value):
+    assert normalize(last_boxed(text)) == value
+
+
+def test_answer_modulus():
+    assert normalize("2024", 1000) == 24

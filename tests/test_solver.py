@@ -1,0 +1,175 @@
+"""Solver rules (early stop, votes, ties) on the scripted engine double, and time-budget arithmetic."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from engine_double import ScriptedEngine
+from sandbox import Limits, SandboxConfig, SandboxPool
+from server.budget import TimeBudget
+from server.protocol import SamplingParams
+from server.solver import Solver, SolverConfig, early_stop, vote
+from server.tir import SampleTrace, TIRClient
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with SandboxPool(SandboxConfig(limits=Limits(wall_seconds=3), pool_size=2)) as p:
+        yield p
+
+
+def answers_script(answers, lengths):
+    """Sample i (in launch order) writes lengths[i] filler tokens, then \\boxed{answers[i]}."""
+    order: dict[int, int] = {}
+
+    def script(prompt, request):
+        i = order.setdefault(request.params.seed // 1000, len(order))
+        return ["."] * lengths[i] + [f"\\boxed{{{answers[i]}}}"]
+    return script
+
+
+def solve(pool, answers, lengths, cfg=SolverConfig(), deadline=None, step=0.002):
+    eng = ScriptedEngine(answers_script(answers, lengths), step_seconds=step)
+    client = TIRClient(eng, pool, sampling=SamplingParams(temperature=0, max_tokens=100_000),
+                       top_logprobs=2 if cfg.vote == "entropy" else 0)
+    result = asyncio.run(Solver(eng, client, cfg).solve("p1", "problem", deadline, expected=3))
+    return result, eng
+
+
+def test_four_of_first_five_agree_stops_and_cancels_the_rest(pool):
+    answers = [3, 3, 1, 3, 3] + [9] * 7
+    result, eng = solve(pool, answers, [10 * (i + 1) for i in range(12)])
+    assert result.stop_rule == "agree" and result.answer == 3 and result.correct
+    assert result.finished == 5 and result.cancelled == 7
+    assert sorted(f.finish_reason for f in eng.finals).count("cancelled") == 7
+
+
+def test_enough_finished_stops_at_ten_of_twelve(pool):
+    result, _ = solve(pool, list(range(100, 112)), [10 * (i + 1) for i in range(12)])
+    assert result.stop_rule == "enough" and result.finished == 10 and result.cancelled == 2
+    assert result.answer == 100  # a ten-way tie of single votes: the first answer to arrive wins
+
+
+def test_deadline_stops_everything_and_cut_samples_vote(pool):
+    lengths = [5] + [100_000] * 11
+    answers = [3] * 12
+    result, _ = solve(pool, answers, lengths, deadline=time.monotonic() + 0.5)
+    assert result.stop_rule == "deadline" and result.finished == 1 and result.seconds < 5
+    assert result.answer == 3
+
+
+def test_no_answer_uses_the_default():
+    cfg = SolverConfig(samples=2, first=2, agree=2, enough=2, default_answer=0)
+    eng = ScriptedEngine(lambda p, r: ["no answer here"])
+    with SandboxPool(SandboxConfig(pool_size=1)) as pool:
+        client = TIRClient(eng, pool, sampling=SamplingParams(temperature=0, max_tokens=100))
+        r = asyncio.run(Solver(eng, client, cfg).solve("p", "q"))
+    assert r.answer == 0 and r.default_used and r.votes == {}
+
+
+def trace(answer, entropy=None):
+    t = SampleTrace(sample=0, seed=0, answer=answer)
+    if entropy is not None:
+        t.entropy_sum, t.entropy_count = entropy * 10, 10
+    return t
+
+
+def test_majority_vote_and_tie_rule():
+    assert vote([trace(5), trace(7), trace(7), trace(None)]) == (7, {5: 1.0, 7: 2.0})
+    assert vote([trace(5), trace(7), trace(7), trace(5)])[0] == 5  # tie: 5 voted first
+    assert vote([trace(None)]) == (None, {})
+
+
+def test_entropy_vote_prefers_confident_samples():
+    traces = [trace(5, entropy=2.0), trace(5, entropy=2.0), trace(8, entropy=0.25)]
+    assert vote(traces, "majority")[0] == 5
+    winner, weights = vote(traces, "entropy")
+    assert winner == 8 and weights == {5: 1.0, 8: 4.0}
+
+
+def test_entropy_vote_end_to_end(pool):
+    # samples 0-2 say 1, 3-4 say 3; no early stop (agree 5)
+    cfg = SolverConfig(samples=5, first=5, agree=5, enough=5, vote="entropy")
+    answers = [1, 1, 1, 3, 3]
+    order: dict[int, int] = {}
+
+    def script(prompt, request):
+        i = order.setdefault(request.params.seed // 1000, len(order))
+        return [f"\\boxed{{{answers[i]}}}"]
+
+    def top_prob(request):  # samples 0-2 unsure (entropy 0.69), 3-4 confident (0.056)
+        return 0.5 if order[request.params.seed // 1000] < 3 else 0.99
+
+    eng = ScriptedEngine(script, top_prob=top_prob)
+    client = TIRClient(eng, pool, sampling=SamplingParams(temperature=0, max_tokens=100), top_logprobs=2)
+    r = asyncio.run(Solver(eng, client, cfg).solve("p", "q"))
+    assert r.answer == 3 and r.votes[1] < r.votes[3]
+
+
+@pytest.mark.parametrize("answers,rule", [
+    ([1, 1, 1, 1], "agree"), ([1, 2, 1, 1, 1], "agree"), ([1, 2, 3, 1, 1], None), ([1, 2, 1, 2, 1, 1], None),
+    ([None, None, None, None], None), (list(range(10)), "enough")])
+def test_early_stop_rules(answers, rule):
+    assert early_stop(answers, 12, SolverConfig()) == rule
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_aimo2_buffer_arithmetic():
+    clock = FakeClock()
+    b = TimeBudget("aimo2", problems=4, total_seconds=4 * 350, clock=clock)
+    assert b.allowance() == 350
+    b.start(); clock.t += 100; b.finish()
+    assert b.buffer == 250 and b.allowance() == 350 + 210
+    b.start(); clock.t += 500; b.finish()
+    assert b.buffer == 100 and b.allowance() == 450
+    b.start(); clock.t += 450; b.finish()
+    assert b.buffer == 0 and b.allowance() == 350
+    b.total_seconds = 1300  # a shorter run: only 250 s are left, whatever the rule says
+    assert b.allowance() == 250
+    with pytest.raises(RuntimeError):
+        b.finish()
+
+
+def test_aimo3_rule_values():
+    clock = FakeClock()
+    b = TimeBudget("aimo3", problems=50, total_seconds=5 * 3600, low_seconds=300, high_seconds=900, clock=clock)
+    assert b.allowance() == min(900, max(300, 18000 - 300 * 49))  # 3300 -> capped at 900
+    clock.t += 18000 - 2000  # 2000 s left, still 50 problems to go
+    assert b.allowance() == 300
+    b.done = 47  # three left: 2000 - 2*300 = 1400 -> 900
+    assert b.allowance() == 900
+
+
+@pytest.mark.parametrize("policy", ["aimo2", "aimo3", "fixed"])
+def test_simulated_fifty_problem_five_hour_run(policy):
+    clock = FakeClock()
+    spec = SimpleNamespace(policy=policy, total_seconds=5 * 3600.0, base_seconds=350.0, max_extra_seconds=210.0,
+                           low_seconds=300.0, high_seconds=900.0)
+    b = TimeBudget.from_spec(spec, 50, clock)
+    rng = random.Random(0)
+    used = []
+    for _ in range(50):
+        allowed = b.allowance()
+        deadline = b.start()
+        need = rng.choice([60.0, 200.0, 2000.0])  # easy, medium, never finishes
+        clock.t = min(deadline, clock.t + need)
+        used.append(b.finish())
+        assert used[-1] <= allowed + 1e-9
+        if policy == "aimo2":
+            assert allowed <= 350 + 210
+        if policy == "aimo3" and b.time_left() > 900:
+            assert 300 <= allowed <= 900
+    assert sum(used) <= 5 * 3600 + 1e-6 and b.done == 50
+    assert b.time_left() >= 0

@@ -1,0 +1,156 @@
+"""Harness tests on the scripted engine double (tests/engine_double.py) and the real sandbox."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from engine_double import ScriptedEngine
+from sandbox import Limits, SandboxConfig, SandboxPool
+from server.protocol import SamplingParams
+from server.tir import Tags, TIRClient, open_code
+
+QWEN = Tags()
+NEMOTRON = Tags("<tool_call>\n", "</tool_call>\n", "```output\n", "```\n")
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with SandboxPool(SandboxConfig(limits=Limits(wall_seconds=3), pool_size=2)) as p:
+        yield p
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def client(engine, pool, tags=QWEN, **kw) -> TIRClient:
+    kw.setdefault("sampling", SamplingParams(temperature=0.0, max_tokens=400))
+    return TIRClient(engine, pool, tags, **kw)
+
+
+def two_turn_script(first_chunks, answer_for_output):
+    """Turn 1 streams `first_chunks`; a later turn answers from the output block it sees."""
+    def script(prompt, request):
+        if "```output\n" in prompt:
+            out = prompt.rsplit("```output\n", 1)[1].split("\n", 1)[0]
+            return list(answer_for_output(out))
+        return first_chunks
+    return script
+
+
+def test_code_split_across_chunks_is_run_and_history_is_verbatim(pool):
+    chunks = ["Let me compute.\n``", "`pyt", "hon\nprint(6", "*7)\n`", "`", "`\n", "IGNORED"]
+    eng = ScriptedEngine(two_turn_script(chunks, lambda out: ["So the answer is ", "\\boxed{", out, "}."]))
+    prompt = eng.tokenize(eng.chat_prompt("6*7?"))
+    t = run(client(eng, pool).run(prompt, sample=0, seed=1))
+    assert [c.status for c in t.code_calls] == ["ok"] and t.code_calls[0].code == "print(6*7)\n"
+    assert t.answer == 42 and t.finish == "eos" and t.turns == 2
+    expected = "Let me compute.\n```python\nprint(6*7)\n```\n```output\n42\n```\nSo the answer is \\boxed{42}."
+    assert t.text == expected
+    # the prefix contract: turn 2's prompt is turn 1's prompt + its tokens + the output block, exactly
+    second = eng.requests[1].prompt
+    assert list(second) == prompt + eng.tokenize(expected[: expected.index("So the")])
+
+
+def test_nemotron_tags(pool):
+    chunks = ["<tool", "_call>\nprint(2**10)\n</tool_", "call>\n"]
+    eng = ScriptedEngine(two_turn_script(chunks, lambda out: [f"\\boxed{{{out}}}"]))
+    t = run(client(eng, pool, NEMOTRON).run(eng.tokenize("p"), 0, 1))
+    assert t.code_calls[0].code == "print(2**10)\n" and t.answer == 1024
+    assert "</tool_call>\n```output\n1024\n```\n\\boxed{1024}" in t.text
+
+
+def test_overhang_past_the_stop_string_stays_in_history(pool):
+    # the stop string ends inside a chunk (a token): the rest of that token is kept, not dropped
+    chunks = ["```python\nprint(5)\n```\nX", "never streamed"]
+    eng = ScriptedEngine(two_turn_script(chunks, lambda out: [f"\\boxed{{{out}}}"]))
+    t = run(client(eng, pool).run(eng.tokenize("p"), 0, 1))
+    assert t.text == "```python\nprint(5)\n```\nX```output\n5\n```\n\\boxed{5}"
+    assert list(eng.requests[1].prompt[-len("X```output\n5\n```\n"):]) == eng.tokenize("X```output\n5\n```\n")
+
+
+def test_unclosed_code_block_is_not_run_and_answer_still_extracted(pool):
+    eng = ScriptedEngine(lambda p, r: ["\\boxed{7} then ```python\nprint(1)\n"])
+    t = run(client(eng, pool).run(eng.tokenize("p"), 0, 1))
+    assert t.code_calls == [] and t.answer == 7 and t.finish == "eos"
+
+
+def test_model_imitating_output_block_runs_nothing(pool):
+    def script(prompt, request):
+        if prompt.endswith("```output\n99\n```\n"):
+            return ["\\boxed{99}"]
+        return ["```output\n99\n```\n"]
+    eng = ScriptedEngine(script)
+    t = run(client(eng, pool).run(eng.tokenize("p"), 0, 1))
+    assert t.code_calls == [] and t.answer == 99 and t.turns == 2
+
+
+def test_nested_fence_inside_code_uses_the_last_opening(pool):
+    body = "x = '```python'\n```python\nprint(3)\n```\n"
+    assert open_code(body, QWEN) == "print(3)\n"
+
+
+def test_bad_code_is_fed_back_and_max_code_calls_is_enforced(pool):
+    def script(prompt, request):
+        return ["```python\nraise ValueError('boom')\n```\n", "after"]
+    eng = ScriptedEngine(script)
+    t = run(client(eng, pool, max_code_calls=2).run(eng.tokenize("p"), 0, 1))
+    assert [c.status for c in t.code_calls] == ["error", "error"]
+    assert "ValueError: boom" in t.code_calls[0].output
+    # after the last allowed call the code-end tag is no longer a stop: the third turn runs to the end
+    assert eng.requests[2].params.stop == () and t.finish == "eos" and t.text.endswith("after")
+
+
+def test_hanging_code_times_out_and_the_sample_goes_on(pool):
+    eng = ScriptedEngine(two_turn_script(["```python\nwhile True: pass\n```\n"], lambda out: ["\\boxed{1}"]))
+    t = run(client(eng, pool, tool_seconds=0.5).run(eng.tokenize("p"), 0, 1))
+    assert t.code_calls[0].status == "timeout" and t.answer == 1
+    assert "TimeoutError" in t.code_calls[0].output and t.tool_seconds < 3
+
+
+def test_deadline_cuts_a_sample_and_its_boxed_answer_counts(pool):
+    eng = ScriptedEngine(lambda p, r: ["The answer is \\boxed{12}."] + ["."] * 1000, step_seconds=0.005)
+    t = run(client(eng, pool, sampling=SamplingParams(temperature=0, max_tokens=5000))
+            .run(eng.tokenize("p"), 0, 1, deadline=time.monotonic() + 0.3))
+    assert t.finish == "timeout" and t.answer == 12
+
+
+def test_cancel_during_tool_call_returns_promptly(pool):
+    eng = ScriptedEngine(two_turn_script(["```python\nimport time; time.sleep(2)\n```\n"], lambda out: ["x"]))
+
+    async def go():
+        ev = asyncio.Event()
+        task = asyncio.ensure_future(client(eng, pool).run(eng.tokenize("p"), 0, 1, cancelled=ev))
+        await asyncio.sleep(0.3)
+        ev.set()
+        t0 = time.monotonic()
+        trace = await task
+        return trace, time.monotonic() - t0
+
+    trace, waited = run(go())
+    assert trace.finish == "cancelled" and waited < 0.5
+
+
+def test_cancel_while_generating_gives_one_final(pool):
+    eng = ScriptedEngine(lambda p, r: ["a"] * 10_000, step_seconds=0.001)
+
+    async def go():
+        ev = asyncio.Event()
+        task = asyncio.ensure_future(client(eng, pool, sampling=SamplingParams(max_tokens=20_000)).run(
+            eng.tokenize("p"), 0, 1, cancelled=ev))
+        await asyncio.sleep(0.05)
+        ev.set()
+        return await task
+
+    t = run(go())
+    assert t.finish == "cancelled" and 0 < t.tokens < 10_000
+    assert [f.finish_reason for f in eng.finals] == ["cancelled"]
+
+
+def test_entropy_is_collected_from_top_logprobs(pool):
+    eng = ScriptedEngine(lambda p, r: ["\\boxed{1}"], top_prob=lambda r: 0.5)
+    t = run(client(eng, pool, top_logprobs=2).run(eng.tokenize("p"), 0, 1))
+    assert t.entropy_count == len("\\boxed{1}") and t.mean_entropy is not None and abs(t.mean_entropy - 0.6931) < 1e-3
