@@ -23,7 +23,7 @@ help:
 	@echo "make check MODEL=mix       validate the recipe only"
 	@echo "make solve MODEL=mix       build if needed, then solve PROBLEMS=$(PROBLEMS) (results table, runs/$(MODEL)/)"
 	@echo "make test                  the test suite (what CI runs)"
-	@echo "make bench                 benchmarks (sandbox latency/throughput) -> bench/*.json"
+	@echo "make bench MODEL=mix       benchmarks (serving in-flight vs sequential vs library, harness overhead, sandbox) -> bench/*.json"
 	@echo "make clean MODEL=mix       remove $(OUT)/"
 
 $(SETUP): requirements/embedded.txt requirements/constraints.txt pyproject.toml
@@ -75,8 +75,9 @@ report: $(SETUP)
 test: $(SETUP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-bench: $(SETUP)
+bench: build
 	$(PY) -m sandbox.bench --out bench/sandbox.json
+	$(PY) -m server.bench --recipe $(RECIPE) --out bench/serving.json
 
 clean:
 	rm -rf $(OUT)

@@ -28,6 +28,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # matched on decoded text
     stop_token_ids: tuple[int, ...] = ()  # besides the model's end-of-sequence ids
     top_logprobs: int = 0  # return this many (token id, logprob) pairs per generated token
+    ignore_eos: bool = False  # run to max_tokens (benchmarks)
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0):

@@ -20,7 +20,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Optional, Sequence
+from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
 import torch
 
@@ -75,16 +75,20 @@ class EngineStats:
 class EmbeddedEngine:
     name = "embedded"
 
-    def __init__(self, model: Any, tokenizer: Any, max_batch_size: int = 16, max_seq_len: int = 4096,
-                 max_input_len: Optional[int] = None, prefix_reuse: bool = True, threads: Optional[int] = None):
-        if threads or not os.environ.get("OMP_NUM_THREADS"):
-            torch.set_num_threads(threads or max(1, os.cpu_count() or 1))
-        self.model, self.tokenizer = model, tokenizer
+    def __init__(self, model: Any = None, tokenizer: Any = None, max_batch_size: int = 16, max_seq_len: int = 4096,
+                 max_input_len: Optional[int] = None, prefix_reuse: bool = True, threads: Optional[int] = None,
+                 load: Optional[Callable[[], tuple[Any, Any]]] = None):
+        """Either a loaded (model, tokenizer) or `load`, which the engine thread runs itself.
+
+        All torch work belongs on the engine thread: measured here, a second thread with its own
+        OpenMP pool (e.g. the main thread having loaded the model) makes every decode step about
+        2x slower on a 2-core CPU. `from_dir` therefore loads inside the engine thread.
+        """
+        if (model is None) == (load is None):
+            raise ValueError("EmbeddedEngine: pass either model and tokenizer, or load")
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         self.max_input_len = max_input_len or max_seq_len - 1
         self.prefix_reuse = prefix_reuse
-        self.runner = SlotRunner(model, max_batch_size, max_seq_len)
-        self.eos_ids = self._eos_ids(model, tokenizer)
         self.stats = EngineStats()
         self._inbox: queue.Queue = queue.Queue()
         self._waiting: list[_Seq] = []
@@ -92,8 +96,45 @@ class EmbeddedEngine:
         self._parked: dict[int, tuple[list[int], float]] = {}  # slot -> (tokens with KV, last use)
         self._by_id: dict[str, _Seq] = {}
         self._closed = False
-        self._thread = threading.Thread(target=self._loop, name="embedded-engine", daemon=True)
+        self._ready = threading.Event()
+        self._load_error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, args=(model, tokenizer, load, threads),
+                                        name="embedded-engine", daemon=True)
         self._thread.start()
+        self._ready.wait()
+        if self._load_error is not None:
+            raise self._load_error
+
+    @property
+    def ready(self) -> bool:
+        """Loaded and serving (false before, and after shutdown)."""
+        return self._ready.is_set() and self._load_error is None and not self._closed
+
+    def _run(self, model: Any, tokenizer: Any, load: Optional[Callable[[], tuple[Any, Any]]], threads: Optional[int]) -> None:
+        try:
+            if threads or not os.environ.get("OMP_NUM_THREADS"):
+                torch.set_num_threads(threads or max(1, os.cpu_count() or 1))
+            if load is not None:
+                model, tokenizer = load()
+            self.model, self.tokenizer = model, tokenizer
+            self.runner = SlotRunner(model, self.max_batch_size, self.max_seq_len)
+            self.eos_ids = self._eos_ids(model, tokenizer)
+        except BaseException as e:  # reported to the constructor's caller
+            self._load_error = e
+            self._ready.set()
+            return
+        self._ready.set()
+        self._loop()
+
+    def call_in_engine_thread(self, fn: Callable[[], Any]) -> Any:
+        """Run fn on the engine thread between steps and return its result (benchmarks use it to
+        run other torch code under the same conditions)."""
+        done: queue.Queue = queue.Queue()
+        self._inbox.put(("call", (fn, done)))
+        ok, value = done.get()
+        if not ok:
+            raise value
+        return value
 
     # ---- construction
     @classmethod
@@ -120,7 +161,7 @@ class EmbeddedEngine:
             raise FileNotFoundError(f"{engine_dir}: neither an embedded engine (engine.json) nor an HF checkpoint "
                                     "(config.json); run `make engine` first")
         kw.update(overrides)
-        return cls(load_model(model_dir), load_tokenizer(model_dir), **kw)
+        return cls(load=lambda: (load_model(model_dir), load_tokenizer(model_dir)), **kw)
 
     @staticmethod
     def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
@@ -208,6 +249,13 @@ class EmbeddedEngine:
                     self._by_id[arg.req.request_id] = arg
                     self._waiting.append(arg)
                     self.stats.requests += 1
+                elif kind == "call":
+                    fn, done = arg
+                    try:
+                        done.put((True, fn()))
+                    except Exception as e:
+                        done.put((False, e))
+                    t0 = time.perf_counter()  # not the engine's own work
                 elif kind == "cancel":
                     s = self._by_id.get(arg)
                     if s is not None:
@@ -314,7 +362,7 @@ class EmbeddedEngine:
         for s, tok, top in zip(seqs, toks, tops):
             s.generated.append(tok)
             s.pending = tok
-            eos = tok in self.eos_ids or tok in s.params.stop_token_ids
+            eos = (tok in self.eos_ids and not s.params.ignore_eos) or tok in s.params.stop_token_ids
             text, matched, overhang = ("", None, "") if eos else s.stopper.feed(s.detok.push([tok]))
             s.text.append(text)
             self._emit(s, Delta((tok,), text, (top,) if top is not None else None))
