@@ -198,3 +198,46 @@ def test_answers(text, value):
 
 def test_answer_modulus():
     assert normalize("2024", 1000) == 24
+
+
+def test_cancel_races_always_end_with_exactly_one_final(hf):
+    """Cancel while queued for a slot, and cancel after the request already finished."""
+    eng = EmbeddedEngine(*hf, max_batch_size=1, max_seq_len=256, threads=1)
+    text = prompts(hf[1], 1)[0]
+
+    async def go():
+        running = Request(text, SamplingParams(max_tokens=40, seed=1, ignore_eos=True))
+        queued = Request(text, SamplingParams(max_tokens=40, seed=2))
+        a = asyncio.ensure_future(collect(eng, running))
+        b = asyncio.ensure_future(collect(eng, queued))
+        await asyncio.sleep(0.01)
+        eng.cancel(queued.request_id)  # still waiting: the only slot is taken
+        (_, fa), (db, fb) = await asyncio.gather(a, b)
+        eng.cancel(running.request_id)  # already final: nothing more may arrive
+        eng.cancel("no-such-request")
+        await asyncio.sleep(0.1)
+        return fa, db, fb
+
+    try:
+        fa, db, fb = asyncio.run(go())
+        assert fa.finish_reason == "length" and len(fa.token_ids) == 40
+        assert fb.finish_reason == "cancelled" and fb.token_ids == () and db == []
+        _, again = asyncio.run(collect(eng, Request(text, GREEDY)))
+        assert again.finish_reason in ("stop", "length")
+    finally:
+        eng.shutdown()
+
+
+def test_engine_folder_errors_are_clear(tmp_path):
+    with pytest.raises(FileNotFoundError, match="neither an embedded engine"):
+        EmbeddedEngine.from_dir(tmp_path)
+    (tmp_path / "engine.json").write_text('{"backend": "trtllm"}')
+    with pytest.raises(ValueError, match="not 'embedded'"):
+        EmbeddedEngine.from_dir(tmp_path)
+
+
+def test_load_errors_surface_in_the_constructor():
+    def broken():
+        raise OSError("weights are corrupt")
+    with pytest.raises(OSError, match="corrupt"):
+        EmbeddedEngine(load=broken)
