@@ -18,15 +18,31 @@ from typing import Any, Optional
 from server.protocol import SamplingParams
 from trtbuild.recipe import Recipe, RecipeError, load_recipe
 
-BACKENDS = ("auto", "embedded")
+BACKENDS = ("auto", "embedded", "trtllm")
+
+
+def engine_backend(recipe: Recipe, backend: str) -> str:
+    """auto: the trtllm engine when one was built and TensorRT-LLM imports here, else the embedded one."""
+    if backend not in BACKENDS:
+        raise ValueError(f"--backend {backend!r}: solve serves {', '.join(BACKENDS)}")
+    if backend != "auto":
+        return backend
+    import importlib.util
+
+    built = (recipe.out_dir / "build" / "trtllm" / "engine.json").is_file()
+    return "trtllm" if built and importlib.util.find_spec("tensorrt_llm") is not None else "embedded"
 
 
 def open_engine(recipe: Recipe, backend: str) -> Any:
-    if backend not in BACKENDS:
-        raise ValueError(f"--backend {backend!r}: solve serves {', '.join(BACKENDS)} in this version")
-    engine_dir = recipe.out_dir / "build" / "embedded"
+    chosen = engine_backend(recipe, backend)
+    engine_dir = recipe.out_dir / "build" / chosen
     if not (engine_dir / "engine.json").is_file():
-        raise FileNotFoundError(f"{engine_dir}/engine.json: no embedded engine; run `make engine MODEL={recipe.name}` first")
+        raise FileNotFoundError(f"{engine_dir}/engine.json: no {chosen} engine; run "
+                                f"`make engine MODEL={recipe.name} BACKEND={chosen}` first")
+    if chosen == "trtllm":
+        from server.trtllm.engine import TrtllmEngine
+
+        return TrtllmEngine.from_dir(engine_dir)
     from server.embedded.engine import EmbeddedEngine
 
     return EmbeddedEngine.from_dir(engine_dir)
@@ -92,13 +108,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m server.solve", description=__doc__.split("\n")[0])
     ap.add_argument("--recipe", required=True)
     ap.add_argument("--problems", required=True, help="CSV with columns id, problem[, answer]")
-    ap.add_argument("--backend", default="auto", help="auto | embedded")
+    ap.add_argument("--backend", default="auto", help="auto | embedded | trtllm (tp > 1: start under mpirun, "
+                                                    "see server/trtllm/launch.py)")
     ap.add_argument("--samples", type=int, default=None, help="override serving.solver.samples")
     ap.add_argument("--out", default=None, help="output folder (default runs/<model>/<problems file stem>)")
     args = ap.parse_args(argv)
     try:
         return asyncio.run(_main(args))
-    except (RecipeError, ValueError, FileNotFoundError) as e:
+    except (RecipeError, ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"solve: {e}", file=sys.stderr)
         return 2
 

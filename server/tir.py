@@ -74,7 +74,13 @@ class SampleTrace:
 
 
 def topk_entropy(top: tuple[tuple[int, float], ...]) -> float:
-    """Entropy of the top-k distribution renormalised (what the serving APIs can report)."""
+    """Entropy of the top-k distribution renormalised (what the serving APIs can report).
+
+    With a single entry, the sampled token's logprob (all TensorRT-LLM's executor returns), the
+    surprisal -log p is used instead: its expectation over sampled tokens is the token entropy.
+    """
+    if len(top) == 1:
+        return max(0.0, -top[0][1])
     ps = [math.exp(lp) for _, lp in top]
     z = sum(ps)
     return -sum(p / z * math.log(p / z) for p in ps if p > 0) if z > 0 else 0.0

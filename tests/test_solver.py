@@ -173,3 +173,20 @@ def test_simulated_fifty_problem_five_hour_run(policy):
             assert 300 <= allowed <= 900
     assert sum(used) <= 5 * 3600 + 1e-6 and b.done == 50
     assert b.time_left() >= 0
+
+
+def test_shipped_problems_file_parses_and_is_tracked():
+    """`make solve` defaults to this file; it must exist in a clean clone (it once sat under an ignored path)."""
+    import subprocess
+    from pathlib import Path
+
+    from server.run import read_problems
+
+    root = Path(__file__).resolve().parents[1]
+    path = root / "engines" / "problems" / "smoke.csv"
+    problems = read_problems(path)
+    assert len(problems) == 12 and all(p.answer is not None for p in problems)
+    ignored = subprocess.run(["git", "check-ignore", "-q", str(path)], cwd=root)
+    assert ignored.returncode == 1, f"{path} is git-ignored"
+    answers = {p.id: p.answer for p in problems}
+    assert answers["primes"] == 168 and answers["power_mod"] == pow(7, 222, 1000)

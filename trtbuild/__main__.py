@@ -1,7 +1,8 @@
 """Command line of the build pipeline: `python -m trtbuild STAGE --recipe engines/mix.yaml`.
 
 Stages: sources, merge, quantize, build; `engine` runs them all in order; `check` validates a
-recipe; `report` summarises the manifests of a finished build. Each stage skips itself when its
+recipe; `report` summarises the manifests of a finished build; `doctor` says which backends this
+machine can use and why not. Each stage skips itself when its
 fingerprint (inputs, recipe section, code) matches the finished output.
 """
 
@@ -84,7 +85,7 @@ def report(recipe: Recipe) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m trtbuild", description=__doc__.splitlines()[0])
-    p.add_argument("command", choices=(*STAGES, "engine", "check", "report"))
+    p.add_argument("command", choices=(*STAGES, "engine", "check", "report", "doctor"))
     p.add_argument("--recipe", default="engines/mix.yaml", help="recipe file (default: engines/mix.yaml)")
     p.add_argument("--backend", default="auto", choices=("auto", "embedded", "trtllm"))
     args = p.parse_args(argv)
@@ -99,6 +100,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "report":
         print(report(recipe))
         return 0
+    if args.command == "doctor":
+        from trtbuild.doctor import report as doctor_report
+
+        text, usable = doctor_report(recipe)
+        print(text)
+        return 0 if usable else 1
     todo = STAGES if args.command == "engine" else (args.command,)
     for stage in todo:
         t = time.time()

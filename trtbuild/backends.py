@@ -1,17 +1,14 @@
 """Which engine backends this machine can build and serve, and why not.
 
-`auto` means TensorRT-LLM where it is usable (importable 1.2.x plus an NVIDIA GPU), else embedded.
-Nothing here imports torch or tensorrt_llm: the check must be cheap and must not crash.
+`auto` means TensorRT-LLM where it is usable (1.2.x in the `TRTLLM_PYTHON` environment plus an NVIDIA
+GPU), else embedded. Nothing here imports torch or tensorrt_llm: the check must be cheap and must not
+crash.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
 import importlib.util
-import shutil
 from dataclasses import dataclass
-
-SUPPORTED_TRTLLM = "1.2."
 
 
 @dataclass(frozen=True)
@@ -22,19 +19,10 @@ class Availability:
 
 
 def trtllm() -> Availability:
-    if importlib.util.find_spec("tensorrt_llm") is None:
-        return Availability("trtllm", False, "TensorRT-LLM is not installed (needs 1.2.x on a GPU host; see README)")
-    try:
-        version = importlib.metadata.version("tensorrt-llm")
-    except importlib.metadata.PackageNotFoundError:
-        version = "unknown"
-    if not version.startswith(SUPPORTED_TRTLLM):
-        return Availability("trtllm", False, f"TensorRT-LLM {version} found; this toolkit targets {SUPPORTED_TRTLLM}x")
-    if shutil.which("nvidia-smi") is None:
-        return Availability("trtllm", False, f"TensorRT-LLM {version} found but no NVIDIA driver (nvidia-smi)")
-    if shutil.which("trtllm-build") is None:
-        return Availability("trtllm", False, f"TensorRT-LLM {version} found but `trtllm-build` is not on PATH")
-    return Availability("trtllm", True, f"TensorRT-LLM {version}")
+    from trtbuild.trtllm.env import probe
+
+    env = probe()
+    return Availability("trtllm", env.usable, env.summary())
 
 
 def embedded() -> Availability:

@@ -2,7 +2,8 @@
 
 - embedded: a portable folder (`engine.json` + `model/` weights and tokenizer) that the embedded
   runtime serves on any machine, CPU included.
-- trtllm: `trtllm-build` on the ModelOpt TensorRT-LLM checkpoint (GPU host with TensorRT-LLM 1.2.x).
+- trtllm: checkpoint -> (ReDrafter) -> `trtllm-build` in TensorRT-LLM 1.2.x's environment
+  (`trtbuild/trtllm/build.py`), after preflight checks that need no GPU work.
 Outputs go to `build/<backend>/`, so both can coexist.
 """
 
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -22,7 +22,6 @@ from trtbuild.recipe import Recipe
 VERSION = 1  # bump when the output of this stage changes for the same inputs
 STAGE = "build"
 ENGINE_FILE = "engine.json"
-GEMM_PLUGIN = {"fp8": "fp8", "int8_wo": "bfloat16", "bf16": "bfloat16"}
 
 
 def weights_dir(recipe: Recipe) -> Path:
@@ -30,30 +29,6 @@ def weights_dir(recipe: Recipe) -> Path:
     if q == "bf16":
         return recipe.out_dir / "merge" / "model"
     return recipe.out_dir / "quantize" / q / "hf"
-
-
-def trtllm_checkpoint_dir(recipe: Recipe) -> Path:
-    q = recipe.build.quantization
-    if q == "bf16":
-        raise ValueError(f"{recipe.path}: build.quantization: the trtllm backend builds from a quantized "
-                         "checkpoint (fp8 or int8_wo) in this version (got 'bf16')")
-    return recipe.out_dir / "quantize" / q / "trtllm"
-
-
-def trtllm_build_command(recipe: Recipe, checkpoint_dir: Path, engine_dir: Path) -> list[str]:
-    """The `trtllm-build` invocation (the AIMO-2 flags, limits from the recipe)."""
-    b = recipe.build
-    cmd = [
-        "trtllm-build", "--checkpoint_dir", str(checkpoint_dir), "--output_dir", str(engine_dir),
-        "--gemm_plugin", GEMM_PLUGIN[b.quantization],
-        "--use_paged_context_fmha", "enable", "--kv_cache_type", "paged",
-        "--max_batch_size", str(b.max_batch_size), "--max_seq_len", str(b.max_seq_len),
-        "--max_input_len", str(b.max_input_len), "--max_num_tokens", str(b.max_num_tokens),
-        "--max_beam_width", "1",
-    ]
-    if recipe.drafter.kind == "redrafter":
-        cmd += ["--speculative_decoding_mode", "explicit_draft_tokens"]
-    return cmd
 
 
 def fingerprint(recipe: Recipe, backend: str) -> str:
@@ -64,6 +39,7 @@ def fingerprint(recipe: Recipe, backend: str) -> str:
     upstream = merge_fp(recipe) if q == "bf16" else quant_fp(recipe, q, merge_fp(recipe))
     return mf.fingerprint({"backend": backend, "build": recipe.section("build"), "serving": recipe.section("serving"),
                            "drafter": recipe.section("drafter"), "upstream": upstream,
+                           **({"trtllm": recipe.section("trtllm")} if backend == "trtllm" else {}),
                            "version": VERSION})
 
 
@@ -80,12 +56,15 @@ def engine_config(recipe: Recipe, backend: str) -> dict[str, Any]:
                                                "tp_size")},
         "drafter": recipe.section("drafter") if recipe.drafter.kind != "none" else None,
         "serving": recipe.section("serving"),
+        **({"engine_dir": "engine", "trtllm": recipe.section("trtllm")} if backend == "trtllm" else {}),
     }
 
 
-def run(recipe: Recipe, backend: str = "auto") -> Path:
+def run(recipe: Recipe, backend: str = "auto", trtllm_env: Any = None, runner: Any = None) -> Path:
+    """Build for `backend`. `trtllm_env` and `runner` replace the probed TensorRT-LLM environment and
+    the subprocess runner (the contract tests use them)."""
     requested = backend if backend != "auto" else recipe.build.backend
-    chosen = backends.resolve(requested)
+    chosen = "trtllm" if trtllm_env is not None and requested in ("auto", "trtllm") else backends.resolve(requested)
     final = recipe.out_dir / STAGE / chosen
     fp = fingerprint(recipe, chosen)
     if mf.up_to_date(final, fp, STAGE):
@@ -93,6 +72,18 @@ def run(recipe: Recipe, backend: str = "auto") -> Path:
     src = weights_dir(recipe)
     if not (src / "config.json").is_file():
         raise FileNotFoundError(f"build: no {recipe.build.quantization} weights at {src}: run the earlier stages first")
+    steps = None
+    if chosen == "trtllm":
+        from trtbuild.trtllm import build as tb
+        from trtbuild.trtllm import preflight
+        from trtbuild.trtllm.env import probe
+
+        env = trtllm_env or probe()
+        merged = recipe.out_dir / "merge" / "model"
+        preflight.require(recipe, env, preflight.read_json(merged / "config.json"))
+        from merge.run import fingerprint as merge_fp
+
+        steps = tb.plan(recipe, env, upstream=merge_fp(recipe))
     started = time.time()
     mf.log(STAGE, f"{chosen}: building from {recipe.build.quantization} weights ({src}) ...")
     with mf.stage_dir(final) as tmp:
@@ -100,11 +91,12 @@ def run(recipe: Recipe, backend: str = "auto") -> Path:
         if chosen == "embedded":
             shutil.copytree(src, tmp / "model", ignore=shutil.ignore_patterns(mf.MANIFEST))
         else:
-            cmd = trtllm_build_command(recipe, trtllm_checkpoint_dir(recipe), tmp / "engine")
-            mf.log(STAGE, "running: " + " ".join(cmd))
-            subprocess.run(cmd, check=True)
+            from trtbuild.trtllm import build as tb
+
+            (tmp / "engine").mkdir()
+            extra["steps"] = tb.run_steps(steps or [], tmp / "engine", runner or tb.run_subprocess)
+            # the tokenizer (and HF config) the runtime detokenizes with; weights live in the engine
             shutil.copytree(src, tmp / "model", ignore=shutil.ignore_patterns("*.safetensors", mf.MANIFEST))
-            extra["command"] = cmd
         (tmp / ENGINE_FILE).write_text(json.dumps(engine_config(recipe, chosen), indent=2) + "\n")
         mf.write_manifest(tmp, f"{STAGE}/{chosen}", fp, started, backend=chosen, weights=str(src),
                           quantization=recipe.build.quantization, files=mf.hash_tree(tmp), **extra)

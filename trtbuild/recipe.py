@@ -101,6 +101,7 @@ class DrafterSpec:
     path: Optional[str] = None
     num_beams: int = 1
     draft_len_per_beam: int = 3
+    greedy: bool = True  # drafter beam search on argmax tokens (AIMO-2); false: sampled (--redrafter_no_greedy_search)
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,23 @@ class BuildSpec:
     max_seq_len: int = 4096
     max_num_tokens: int = 8192
     tp_size: int = 1
+
+
+@dataclass(frozen=True)
+class TrtllmSpec:
+    """TensorRT-LLM specifics: how the FP8 checkpoint is made, and the executor's serving knobs."""
+
+    # quantize_py: TensorRT-LLM's own ModelOpt calibration (examples/quantization/quantize.py) in its
+    # environment, on the recipe's calibration traces: the ModelOpt version TensorRT-LLM was tested with.
+    # modelopt_export: the TensorRT-LLM checkpoint the quantize stage already exported (this toolkit's
+    # ModelOpt, CPU-calibrated): no GPU calibration, but a newer ModelOpt than TensorRT-LLM 1.2 pins.
+    fp8_checkpoint: Literal["quantize_py", "modelopt_export"] = "quantize_py"
+    calib_size: int = 512  # samples for quantize_py (NeMo-Skills: 4096 of its own TIR data)
+    kv_cache_free_gpu_mem_fraction: float = 0.9
+    enable_kv_cache_reuse: bool = True  # KV blocks of a sample's earlier turns are reused (needs paged context FMHA)
+    enable_chunked_context: bool = True
+    max_queue_delay_microseconds: int = 0
+    gpu_device_ids: Optional[list[int]] = None
 
 
 @dataclass(frozen=True)
@@ -203,6 +221,7 @@ class Recipe:
     quantize: QuantizeSpec = field(default_factory=QuantizeSpec)
     drafter: DrafterSpec = field(default_factory=DrafterSpec)
     build: BuildSpec = field(default_factory=BuildSpec)
+    trtllm: TrtllmSpec = field(default_factory=TrtllmSpec)
     quality: QualitySpec = field(default_factory=QualitySpec)
     serving: ServingSpec = field(default_factory=ServingSpec)
     # Where the recipe came from; relative paths in it resolve against this folder.
@@ -372,6 +391,14 @@ def _check(recipe: Recipe, where: str, check_paths: bool) -> None:
     d = recipe.drafter
     if d.kind == "redrafter" and check_paths and d.path and not recipe.resolve(d.path).is_dir():
         fail("drafter.path", "no such folder", d.path)
+    if d.num_beams < 1 or d.draft_len_per_beam < 1:
+        fail("drafter", "num_beams and draft_len_per_beam must be >= 1", (d.num_beams, d.draft_len_per_beam))
+    t = recipe.trtllm
+    if not (0.0 < t.kv_cache_free_gpu_mem_fraction <= 1.0):
+        fail("trtllm.kv_cache_free_gpu_mem_fraction", "must be in (0, 1]", t.kv_cache_free_gpu_mem_fraction)
+    if t.calib_size < 1 or t.max_queue_delay_microseconds < 0:
+        fail("trtllm", "calib_size must be >= 1 and max_queue_delay_microseconds >= 0",
+             (t.calib_size, t.max_queue_delay_microseconds))
     if recipe.quality.prompts <= 0 or recipe.quality.max_new_tokens <= 0:
         fail("quality", "prompts and max_new_tokens must be positive", recipe.section("quality"))
     s = recipe.serving
