@@ -13,8 +13,15 @@ TB      := $(PY) -m trtbuild --recipe $(RECIPE)
 SETUP   := $(VENV)/.setup-done
 PYTEST_ARGS ?=
 PROBLEMS ?= engines/problems/smoke.csv
+# The TensorRT-LLM 1.2.x environment's python (NVIDIA's release container: python3; or `make trtllm-venv`).
+# Empty: the main venv (where TensorRT-LLM is absent, so BACKEND=trtllm explains why it cannot run).
+TRTLLM_PYTHON ?=
+TRTLLM_PY := $(if $(TRTLLM_PYTHON),$(TRTLLM_PYTHON),$(PY))
+TRTLLM_VENV ?= .venv-trtllm
+TRTLLM_INDEX_URL ?=
+export TRTLLM_PYTHON TRTLLM_EXAMPLES
 
-.PHONY: help setup engine sources merge quantize build report check solve test bench clean
+.PHONY: help setup engine sources merge quantize build report check solve test bench clean doctor gpu-smoke trtllm-venv
 
 help:
 	@echo "make setup                 create $(VENV) with the pinned embedded environment"
@@ -22,6 +29,9 @@ help:
 	@echo "make report MODEL=mix      summary of a finished build (times, sizes, checks, quality)"
 	@echo "make check MODEL=mix       validate the recipe only"
 	@echo "make solve MODEL=mix       build if needed, then solve PROBLEMS=$(PROBLEMS) (results table, runs/$(MODEL)/)"
+	@echo "make doctor MODEL=mix      which backends this machine can use, and why not (TRTLLM_PYTHON=...)"
+	@echo "make gpu-smoke             GPU host: build tiny bf16/FP8 engines with TensorRT-LLM and check them"
+	@echo "make trtllm-venv           GPU host: $(TRTLLM_VENV) with the pinned TensorRT-LLM (TRTLLM_INDEX_URL=...)"
 	@echo "make test                  the test suite (what CI runs)"
 	@echo "make bench MODEL=mix       benchmarks (serving in-flight vs sequential vs library, harness overhead, sandbox) -> bench/*.json"
 	@echo "make clean MODEL=mix       remove $(OUT)/"
@@ -66,8 +76,28 @@ build: $(OUT)/quantize/manifest.json
 engine: build
 	@$(TB) report
 
+ifeq ($(BACKEND),trtllm)
+# served from TensorRT-LLM's environment (the executor lives there), under mpirun when tp > 1
+solve: build
+	PYTHONPATH=$(CURDIR) $(TRTLLM_PY) -m server.trtllm.launch --recipe $(RECIPE) -- \
+		$(TRTLLM_PY) -m server.solve --recipe $(RECIPE) --problems $(PROBLEMS) --backend trtllm
+else
 solve: build
 	$(PY) -m server.solve --recipe $(RECIPE) --problems $(PROBLEMS) --backend $(BACKEND)
+endif
+
+doctor: $(SETUP)
+	@$(TB) doctor || echo "(doctor: the recipe's backend is not usable on this machine; reasons above)"
+
+gpu-smoke:
+	PYTHONPATH=$(CURDIR) $(TRTLLM_PY) -m trtbuild.trtllm.smoke
+
+trtllm-venv: requirements/trtllm.txt
+	@test -n "$(TRTLLM_INDEX_URL)" || { echo "make trtllm-venv: set TRTLLM_INDEX_URL to NVIDIA's package index (TensorRT-LLM's install guide names it); PyPI's tensorrt-llm is a stub that downloads from there"; exit 2; }
+	python3 -m venv $(TRTLLM_VENV)
+	$(TRTLLM_VENV)/bin/pip install --upgrade pip
+	$(TRTLLM_VENV)/bin/pip install --extra-index-url $(TRTLLM_INDEX_URL) -r requirements/trtllm.txt
+	@echo "== TensorRT-LLM env ready: use TRTLLM_PYTHON=$(TRTLLM_VENV)/bin/python (examples/: TRTLLM_EXAMPLES=<TensorRT-LLM v1.2.x checkout>/examples)"
 
 report: $(SETUP)
 	@$(TB) report

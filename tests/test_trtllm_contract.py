@@ -451,3 +451,53 @@ def test_solve_runs_tir_through_the_trtllm_backend(engine_dir, project, tmp_path
     assert summary["correct"] == 1 and summary["results"][0]["answer"] == 42
     traces = [json.loads(line) for line in (out / "traces.jsonl").read_text().splitlines()]
     assert traces and all(t["code_calls"] and t["code_calls"][0]["status"] == "ok" for t in traces)
+
+
+def test_gpu_smoke_builds_bf16_and_fp8_and_checks_streaming_and_cancel(examples, tmp_path, monkeypatch):
+    """The smoke run's plan and checks, against the double (its token checks need the real GPU)."""
+    from trtbuild.trtllm import smoke
+
+    dbl.install(monkeypatch)
+    dbl.Executor.script = staticmethod(lambda p: [7] * 500)
+    dbl.Executor.step_seconds = 0.001
+    runner = dbl.FakeRunner()
+    report = smoke.run(tmp_path / "smoke", env=gpu_env(examples), runner=runner, compare_hf=False)
+    assert [n for n, _, _ in runner.commands] == ["checkpoint", "engine", "checkpoint", "engine"]
+    assert runner.commands[0][1][-1] == "none"  # bf16: convert without quantization
+    assert flags(runner.commands[2][1], 2)["--qformat"] == "fp8"
+    assert report["tokens_ok"] and report["stream_ok"] and report["cancel_ok"] and report["passed"]
+    assert report["fp8_vs_bf16_agreement"] == 1.0 and report["stream_finals"] == 1
+    cfg = [c for n, c in dbl.CALLS if n == "Request"]
+    assert all(c["end_id"] == -1 for c in cfg)  # ignore_eos: fixed-length replies
+
+
+def test_gpu_smoke_refuses_clearly_without_tensorrt_llm(tmp_path, capsys):
+    from trtbuild.trtllm import smoke
+
+    assert smoke.main(["--out", str(tmp_path)]) == 2
+    assert "gpu-smoke needs a usable TensorRT-LLM" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("packages, words", [
+    ({"tensorrt-llm": "1.3.0rc1"}, "targets 1.2.x"),
+    ({"numpy": "1.26.4"}, "TensorRT-LLM is not installed in"),
+])
+def test_probe_reads_the_trtllm_environment_without_importing_it(tmp_path, monkeypatch, packages, words):
+    from trtbuild.trtllm import env as trtenv
+
+    fake_python = tmp_path / "python"
+    fake_python.write_text(f"#!/bin/sh\necho '{json.dumps(packages)}'\n")
+    fake_python.chmod(0o755)
+    monkeypatch.setenv(trtenv.PYTHON_ENV, str(fake_python))
+    env = trtenv.probe()
+    assert env.python == str(fake_python) and env.packages == packages
+    assert not env.usable and words in env.summary() and "nvidia-smi" in env.summary()
+
+
+def test_sampled_token_logprob_estimates_the_entropy():
+    """TensorRT-LLM returns only the sampled token's logprob: its surprisal stands in for the entropy."""
+    from server.tir import topk_entropy
+
+    assert topk_entropy(((5, -0.25),)) == 0.25
+    assert topk_entropy(((5, 0.0),)) == 0.0
+    assert abs(topk_entropy(((1, -0.6931471805599453), (2, -0.6931471805599453))) - 0.6931471805599453) < 1e-12

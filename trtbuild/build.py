@@ -34,11 +34,15 @@ def weights_dir(recipe: Recipe) -> Path:
 def fingerprint(recipe: Recipe, backend: str) -> str:
     from merge.run import fingerprint as merge_fp
     from trtbuild.quantize import fingerprint as quant_fp
+    from trtbuild.trtllm.preflight import drafter_dir
 
     q = recipe.build.quantization
     upstream = merge_fp(recipe) if q == "bf16" else quant_fp(recipe, q, merge_fp(recipe))
+    drafter = drafter_dir(recipe)
+    weights = drafter / "model.safetensors" if drafter else None
+    drafter_stat = (weights.stat().st_size, weights.stat().st_mtime_ns) if weights and weights.is_file() else None
     return mf.fingerprint({"backend": backend, "build": recipe.section("build"), "serving": recipe.section("serving"),
-                           "drafter": recipe.section("drafter"), "upstream": upstream,
+                           "drafter": recipe.section("drafter"), "drafter_weights": drafter_stat, "upstream": upstream,
                            **({"trtllm": recipe.section("trtllm")} if backend == "trtllm" else {}),
                            "version": VERSION})
 
@@ -69,30 +73,28 @@ def run(recipe: Recipe, backend: str = "auto", trtllm_env: Any = None, runner: A
     fp = fingerprint(recipe, chosen)
     if mf.up_to_date(final, fp, STAGE):
         return final
-    src = weights_dir(recipe)
+    # embedded serves the quantized HF export; trtllm converts from the merged model (and the quantize
+    # stage's TensorRT-LLM export when trtllm.fp8_checkpoint says so) and needs only its tokenizer here
+    src = weights_dir(recipe) if chosen == "embedded" else recipe.out_dir / "merge" / "model"
     if not (src / "config.json").is_file():
-        raise FileNotFoundError(f"build: no {recipe.build.quantization} weights at {src}: run the earlier stages first")
+        raise FileNotFoundError(f"build: no weights at {src}: run the earlier stages first")
     steps = None
-    if chosen == "trtllm":
+    if chosen == "trtllm":  # everything that can fail without a GPU fails here, before any command runs
+        from merge.run import fingerprint as merge_fp
         from trtbuild.trtllm import build as tb
         from trtbuild.trtllm import preflight
         from trtbuild.trtllm.env import probe
 
         env = trtllm_env or probe()
-        merged = recipe.out_dir / "merge" / "model"
-        preflight.require(recipe, env, preflight.read_json(merged / "config.json"))
-        from merge.run import fingerprint as merge_fp
-
+        preflight.require(recipe, env, preflight.read_json(src / "config.json"))
         steps = tb.plan(recipe, env, upstream=merge_fp(recipe))
     started = time.time()
-    mf.log(STAGE, f"{chosen}: building from {recipe.build.quantization} weights ({src}) ...")
+    mf.log(STAGE, f"{chosen}: building {recipe.build.quantization} from {src} ...")
     with mf.stage_dir(final) as tmp:
         extra: dict[str, Any] = {}
         if chosen == "embedded":
             shutil.copytree(src, tmp / "model", ignore=shutil.ignore_patterns(mf.MANIFEST))
         else:
-            from trtbuild.trtllm import build as tb
-
             (tmp / "engine").mkdir()
             extra["steps"] = tb.run_steps(steps or [], tmp / "engine", runner or tb.run_subprocess)
             # the tokenizer (and HF config) the runtime detokenizes with; weights live in the engine

@@ -1,6 +1,7 @@
 """How a trtllm process is started: plain for tp = 1, under `mpirun -n <tp>` (MPI leader mode) above.
 
     python -m server.trtllm.launch --tp 2 -- python -m server.solve --recipe ... --backend trtllm
+    python -m server.trtllm.launch --recipe engines/mix.yaml -- ...   (tp from build.tp_size)
 
 prints (with --print) or runs the command. Every rank opens the engine; rank 0 serves and the
 others wait inside the executor until it shuts down (`TrtllmEngine.from_dir`).
@@ -26,13 +27,23 @@ def mpirun_command(tp_size: int, argv: list[str], as_root: Optional[bool] = None
 
 def main(args: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m server.trtllm.launch", description=__doc__.splitlines()[0])
-    ap.add_argument("--tp", type=int, required=True)
+    group = ap.add_mutually_exclusive_group(required=True)
+    group.add_argument("--tp", type=int, help="tensor parallel size")
+    group.add_argument("--recipe", help="take the tensor parallel size from this recipe's build.tp_size")
     ap.add_argument("--print", action="store_true", help="print the command instead of running it")
     ap.add_argument("command", nargs=argparse.REMAINDER)
     ns = ap.parse_args(args)
     cmd = ns.command[1:] if ns.command[:1] == ["--"] else ns.command
     if not cmd:
         ap.error("give the command to launch after --")
+    if ns.recipe:
+        from trtbuild.recipe import RecipeError, load_recipe
+
+        try:
+            ns.tp = load_recipe(ns.recipe, check_paths=False).build.tp_size
+        except RecipeError as e:
+            print(f"launch: {e}", file=sys.stderr)
+            return 2
     full = mpirun_command(ns.tp, cmd)
     if ns.print:
         print(" ".join(full))
