@@ -10,9 +10,10 @@ contract: a continuation can reuse the exact token history).
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Literal, Optional, Protocol, Sequence, Union
+from typing import AsyncIterator, Callable, Literal, Optional, Protocol, Sequence, Union
 
 FinishReason = Literal["stop", "length", "cancelled", "timeout", "error"]
 FINISH_REASONS: tuple[str, ...] = ("stop", "length", "cancelled", "timeout", "error")
@@ -104,3 +105,34 @@ class Engine(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+async def stream_events(out: "asyncio.Queue[Event]", cancel: Callable[[], None]) -> AsyncIterator[Event]:
+    """A backend's per-request event queue as the caller's stream: up to and including the Final.
+
+    A consumer that stops early (break, exception, task cancelled) cancels the request, so an
+    abandoned stream never keeps generating.
+    """
+    finished = False
+    try:
+        while True:
+            ev = await out.get()
+            yield ev
+            if isinstance(ev, Final):
+                finished = True
+                return
+    finally:
+        if not finished:
+            cancel()
+
+
+async def collect(engine: Engine, request: Request) -> tuple[list[Delta], Optional[Final]]:
+    """Run one request to its end: its deltas and its Final."""
+    deltas: list[Delta] = []
+    final: Optional[Final] = None
+    async for ev in engine.generate(request):
+        if isinstance(ev, Final):
+            final = ev
+        else:
+            deltas.append(ev)
+    return deltas, final

@@ -11,7 +11,7 @@ import torch
 
 from server.answers import last_boxed, normalize
 from server.embedded.engine import EmbeddedEngine
-from server.protocol import Delta, Final, Request, SamplingParams
+from server.protocol import Final, Request, SamplingParams, collect
 from server.textstream import StopMatcher
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
@@ -47,16 +47,6 @@ def hf_greedy(hf, text, n):
         out = model.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=tok.eos_token_id,
                              pad_token_id=tok.pad_token_id)
     return out[0, ids.shape[1]:].tolist()
-
-
-async def collect(engine, request):
-    deltas, final = [], None
-    async for ev in engine.generate(request):
-        if isinstance(ev, Final):
-            final = ev
-        else:
-            deltas.append(ev)
-    return deltas, final
 
 
 def test_greedy_equals_hf_generate_with_staggered_joins_and_queueing(engine, hf):

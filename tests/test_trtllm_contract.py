@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import trtllm_double as dbl
-from server.protocol import Delta, Final, Request, SamplingParams
+from server.protocol import Delta, Final, Request, SamplingParams, collect
 from tiny import write_recipe
 from trtbuild import build as build_stage
 from trtbuild import manifest as mf
@@ -269,16 +269,6 @@ def open_engine(engine_dir, script, step=0.002):
     dbl.Executor.script = staticmethod(script)
     dbl.Executor.step_seconds = step
     return TrtllmEngine.from_dir(engine_dir)
-
-
-async def collect(engine, request):
-    deltas, final = [], None
-    async for ev in engine.generate(request):
-        if isinstance(ev, Final):
-            final = ev
-        else:
-            deltas.append(ev)
-    return deltas, final
 
 
 def run(coro):

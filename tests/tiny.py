@@ -6,7 +6,9 @@ from pathlib import Path
 
 import yaml
 
-from trtbuild.tiny import CHATML, SPECIALS, make_model, make_tokenizer  # noqa: F401 - re-exported for tests
+from trtbuild.tiny import make_model
+
+__all__ = ["make_model", "write_recipe"]
 
 def write_recipe(folder: Path, name: str, sources: dict, **sections) -> Path:
     """A recipe sized for tests (few prompts, short replies, small calibration)."""

@@ -26,7 +26,7 @@ import torch
 
 from server.embedded.runner import SlotRunner
 from server.embedded.sampler import make_generator, sample
-from server.protocol import Delta, Event, Final, Request, SamplingParams
+from server.protocol import Delta, Event, Final, Request, SamplingParams, stream_events
 from server.textstream import IncrementalDetokenizer, StopMatcher
 
 
@@ -195,17 +195,8 @@ class EmbeddedEngine:
         seq = _Seq(request, p, prompt, loop, out, IncrementalDetokenizer(self.tokenizer), StopMatcher(p.stop),
                    make_generator(p.seed), time.monotonic())
         self._inbox.put(("add", seq))
-        finished = False
-        try:
-            while True:
-                ev = await out.get()
-                yield ev
-                if isinstance(ev, Final):
-                    finished = True
-                    return
-        finally:
-            if not finished:
-                self.cancel(request.request_id)
+        async for ev in stream_events(out, lambda: self.cancel(request.request_id)):
+            yield ev
 
     def cancel(self, request_id: str) -> None:
         self._inbox.put(("cancel", request_id))

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Optional, Sequence
 
-from server.protocol import Delta, Event, Final, Request, SamplingParams
+from server.protocol import Delta, Event, Final, Request, SamplingParams, stream_events
 from server.textstream import IncrementalDetokenizer, StopMatcher
 
 POLL = datetime.timedelta(milliseconds=20)
@@ -179,17 +179,8 @@ class TrtllmEngine:
             r = _Req(request, exec_id, loop, out, IncrementalDetokenizer(self.tokenizer),
                      StopMatcher(request.params.stop), len(prompt), now)
             self._by_exec[exec_id], self._by_id[request.request_id] = r, r
-        finished = False
-        try:
-            while True:
-                ev = await out.get()
-                yield ev
-                if isinstance(ev, Final):
-                    finished = True
-                    return
-        finally:
-            if not finished:
-                self.cancel(request.request_id)
+        async for ev in stream_events(out, lambda: self.cancel(request.request_id)):
+            yield ev
 
     def cancel(self, request_id: str) -> None:
         with self._lock:

@@ -57,13 +57,12 @@ def build(folder: Path, name: str, model: Path, quantization: str, env: Any, run
 
 
 async def greedy(engine: Any, prompts: list[list[int]]) -> list[list[int]]:
-    from server.protocol import Final, Request, SamplingParams
+    from server.protocol import Request, SamplingParams, collect
 
     async def one(ids: list[int]) -> list[int]:
-        async for ev in engine.generate(Request(ids, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))):
-            if isinstance(ev, Final):
-                return list(ev.token_ids)
-        return []
+        _, final = await collect(engine, Request(ids, SamplingParams(temperature=0, max_tokens=NEW_TOKENS,
+                                                                     ignore_eos=True)))
+        return list(final.token_ids) if final else []
     return list(await asyncio.gather(*(one(p) for p in prompts)))
 
 
