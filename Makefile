@@ -21,11 +21,11 @@ TRTLLM_VENV ?= .venv-trtllm
 TRTLLM_INDEX_URL ?=
 export TRTLLM_PYTHON TRTLLM_EXAMPLES
 
-.PHONY: help setup engine sources merge quantize build report check solve test bench clean doctor gpu-smoke trtllm-venv
+.PHONY: help setup engine sources merge quantize drafter build report check solve test bench clean doctor gpu-smoke trtllm-venv
 
 help:
 	@echo "make setup                 create $(VENV) with the pinned embedded environment"
-	@echo "make engine MODEL=mix      sources -> merge -> quantize -> build into $(OUT)/ (BACKEND=auto|embedded|trtllm)"
+	@echo "make engine MODEL=mix      sources -> merge -> quantize -> drafter -> build into $(OUT)/ (BACKEND=auto|embedded|trtllm)"
 	@echo "make report MODEL=mix      summary of a finished build (times, sizes, checks, quality)"
 	@echo "make check MODEL=mix       validate the recipe only"
 	@echo "make solve MODEL=mix       build if needed, then solve PROBLEMS=$(PROBLEMS) (results table, runs/$(MODEL)/)"
@@ -67,9 +67,15 @@ sources: $(OUT)/sources/manifest.json
 merge: $(OUT)/merge/manifest.json
 quantize: $(OUT)/quantize/manifest.json
 
+# drafter.kind none: a no-op; otherwise train (or take) a ReDrafter head and measure its acceptance.
+# Always invoked: the stage itself skips when its fingerprint matches.
+drafter: $(OUT)/quantize/manifest.json
+	@echo "== drafter: -> $(OUT)/drafter/"
+	$(TB) drafter
+
 # The backend is resolved at run time (auto = trtllm if usable, else embedded); the stage itself
 # is a no-op when its fingerprint matches, so it is always invoked.
-build: $(OUT)/quantize/manifest.json
+build: drafter
 	@echo "== build: backend $(BACKEND) -> $(OUT)/build/"
 	$(TB) build --backend $(BACKEND)
 

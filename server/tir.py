@@ -62,6 +62,9 @@ class SampleTrace:
     client_seconds: float = 0.0  # this client's own work on streamed deltas (harness overhead)
     started: float = 0.0
     seconds: float = 0.0
+    # with TIRClient(record_tokens=True): the token history after the prompt, as (ids, generated)
+    # segments: the model's own tokens and the appended output blocks (drafter training data)
+    segments: list[tuple[list[int], bool]] = field(default_factory=list)
 
     @property
     def mean_entropy(self) -> Optional[float]:
@@ -103,8 +106,9 @@ def open_code(turn_text: str, tags: Tags) -> Optional[str]:
 class TIRClient:
     def __init__(self, engine: Engine, sandbox: Any, tags: Tags = Tags(), sampling: SamplingParams = SamplingParams(),
                  max_code_calls: int = 4, output_chars: int = 200, tool_seconds: float = 10.0,
-                 stateful: bool = False, top_logprobs: int = 0):
+                 stateful: bool = False, top_logprobs: int = 0, record_tokens: bool = False):
         self.engine, self.sandbox, self.tags = engine, sandbox, tags
+        self.record_tokens = record_tokens
         self.sampling, self.max_code_calls, self.output_chars = sampling, max_code_calls, output_chars
         self.tool_seconds, self.stateful, self.top_logprobs = tool_seconds, stateful, top_logprobs
 
@@ -139,6 +143,8 @@ class TIRClient:
                 trace.tokens += len(final.token_ids)
                 trace.cached_tokens += final.cached_tokens
                 history.extend(final.token_ids)
+                if self.record_tokens:
+                    trace.segments.append((list(final.token_ids), True))
                 turn_text = final.text + final.overhang
                 parts.append(turn_text)
                 if final.finish_reason != "stop" or final.stop_string is None:
@@ -153,7 +159,10 @@ class TIRClient:
                     trace.finish = "cancelled" if cancelled.is_set() else "timeout"
                     break
                 parts.append(block)
-                history.extend(self.engine.tokenize(block))
+                block_ids = self.engine.tokenize(block)
+                history.extend(block_ids)
+                if self.record_tokens:
+                    trace.segments.append((block_ids, False))
         finally:
             if session is not None:
                 session.close()

@@ -491,3 +491,14 @@ def test_sampled_token_logprob_estimates_the_entropy():
     assert topk_entropy(((5, -0.25),)) == 0.25
     assert topk_entropy(((5, 0.0),)) == 0.0
     assert abs(topk_entropy(((1, -0.6931471805599453), (2, -0.6931471805599453))) - 0.6931471805599453) < 1e-12
+
+
+def test_the_trained_drafter_is_attached_by_default(project, examples, tmp_path):
+    """drafter.kind redrafter without a path: the drafter stage's output (engines/<m>/drafter/model)."""
+    recipe = project(drafter={"kind": "redrafter"})
+    trained = recipe.out_dir / "drafter" / "model"
+    trained.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(drafter_folder(tmp_path), trained)
+    runner = dbl.FakeRunner()
+    build_stage.run(recipe, "trtllm", trtllm_env=gpu_env(examples), runner=runner)
+    assert flags(runner.commands[1][1], 2)["--drafter_model_dir"] == str(trained)

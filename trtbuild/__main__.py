@@ -17,10 +17,10 @@ from pathlib import Path
 from trtbuild import manifest as mf
 from trtbuild.recipe import Recipe, RecipeError, load_recipe
 
-STAGES = ("sources", "merge", "quantize", "build")
+STAGES = ("sources", "merge", "quantize", "drafter", "build")
 
 
-def run_stage(name: str, recipe: Recipe, backend: str) -> Path:
+def run_stage(name: str, recipe: Recipe, backend: str) -> Path | None:
     if name == "sources":
         from trtbuild import sources
 
@@ -33,6 +33,10 @@ def run_stage(name: str, recipe: Recipe, backend: str) -> Path:
         from trtbuild import quantize
 
         return quantize.run(recipe)
+    if name == "drafter":
+        from trtbuild.drafter import stage as drafter_stage
+
+        return drafter_stage.run(recipe)
     if name == "build":
         from trtbuild import build
 
@@ -76,6 +80,12 @@ def report(recipe: Recipe) -> str:
             lines.append(f"  {fmt} vs bf16: KL {q['kl_mean']:.4f}, agreement {q['token_agreement']:.1%}, reply len "
                          f"{q['reply_len']:.1f} vs {q['reply_len_ref']:.1f}, code calls {q['code_calls']:.2f} vs "
                          f"{q['code_calls_ref']:.2f}" + (f"  [flagged: {'; '.join(m['quality_flags'])}]" if m.get("quality_flags") else ""))
+    m = mf.read_manifest(out / "drafter")
+    if m:
+        a, tr = m["acceptance"], m.get("training")
+        cost = f", trained in {tr['train_seconds']}s on {tr['positions']} positions" if tr else " (given)"
+        lines.append(f"drafter: {m['seconds']}s{cost}; {a['num_beams']}x{a['draft_len_per_beam']} drafts: "
+                     f"{a['tokens_per_step']:.2f} tokens/step, acceptance per position {a['acceptance_at_position']}")
     for backend in ("embedded", "trtllm"):
         m = mf.read_manifest(out / "build" / backend)
         if m:
@@ -122,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{stage}] FAILED: {type(e).__name__}: {e}\n[{stage}] earlier stages are kept; "
                   "fix the cause and rerun to resume here", file=sys.stderr)
             return 1
-        mf.log(stage, f"ok in {time.time() - t:.1f}s -> {path}")
+        mf.log(stage, f"ok in {time.time() - t:.1f}s" + (f" -> {path}" if path else ""))
     if args.command == "engine":
         print(report(recipe))
     return 0

@@ -42,11 +42,12 @@ class SlotRunner:
         self.scale = self.head_dim ** -0.5
         self.num_slots = num_slots
         self.max_seq_len = max_seq_len
-        self.dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
+        first = next(p for p in model.parameters() if p.is_floating_point())
+        self.dtype, self.device = first.dtype, first.device
         self.capacity = min(initial_capacity, max_seq_len)
         shape = (num_slots, self.num_kv_heads, self.capacity, self.head_dim)
-        self.k = [torch.zeros(shape, dtype=self.dtype) for _ in self.layers]
-        self.v = [torch.zeros(shape, dtype=self.dtype) for _ in self.layers]
+        self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
         self._rope = apply_rotary_pos_emb
@@ -109,11 +110,12 @@ class SlotRunner:
         n = len(token_ids)
         end = start + n
         self.ensure_capacity(end)
-        ids = torch.tensor([token_ids], dtype=torch.long)
-        pos = torch.arange(start, end).unsqueeze(0)
+        dev = self.device
+        ids = torch.tensor([token_ids], dtype=torch.long, device=dev)
+        pos = torch.arange(start, end, device=dev).unsqueeze(0)
         h = self.inner.embed_tokens(ids)
         cos, sin = self.inner.rotary_emb(h, pos)
-        mask = torch.arange(end).unsqueeze(0) <= pos.view(n, 1)  # [n, end]: causal over the prefix
+        mask = torch.arange(end, device=dev).unsqueeze(0) <= pos.view(n, 1)  # [n, end]: causal over the prefix
 
         def write(cache: torch.Tensor, new: torch.Tensor) -> None:
             cache[slot, :, start:end] = new[0]
@@ -131,12 +133,13 @@ class SlotRunner:
         n = len(token_ids)
         longest = max(positions) + 1
         self.ensure_capacity(longest)
-        ids = torch.tensor(token_ids, dtype=torch.long).view(n, 1)
-        pos = torch.tensor(positions, dtype=torch.long).view(n, 1)
-        rows = torch.arange(n)
+        dev = self.device
+        ids = torch.tensor(token_ids, dtype=torch.long, device=dev).view(n, 1)
+        pos = torch.tensor(positions, dtype=torch.long, device=dev).view(n, 1)
+        rows = torch.arange(n, device=dev)
         h = self.inner.embed_tokens(ids)
         cos, sin = self.inner.rotary_emb(h, pos)
-        mask = (torch.arange(longest).unsqueeze(0) <= pos).view(n, 1, 1, longest)
+        mask = (torch.arange(longest, device=dev).unsqueeze(0) <= pos).view(n, 1, 1, longest)
 
         def write(cache: torch.Tensor, new: torch.Tensor) -> None:
             cache[rows, :, pos[:, 0]] = new[:, :, 0]

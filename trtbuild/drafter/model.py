@@ -1,0 +1,118 @@
+"""The ReDrafter head in PyTorch, with the parameter names TensorRT-LLM's ReDrafter converter reads.
+
+Given the target's last hidden state h (final norm applied) at the position that produced token
+x1, the head drafts x2, x3, ...: the recurrent state s starts at 0 and takes one token embedding per
+step, s = silu(rnn_w(emb(x)) + rnn_u(s)); the logits come from [h ; s] through an optional
+`input_proj`, residual blocks x + silu(linear(x)), and a vocabulary head. The token embedding is the
+target's own (not a drafter parameter). Names: input_proj.{weight,bias}, lm_head.{i}.linear.{weight,bias},
+lm_head.{N}.weight, rnn_u.{weight,bias}, rnn_w.weight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+TOP_K_WARP = 50  # beam search ranks within the top-50 tokens of each step (Apple's warp_logits)
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    hidden_size: int
+    vocab_size: int
+    exit_dim: int
+    num_draft_layers: int
+    rnn: bool = True
+    trained_draft_len: int = 3
+    model_type: str = "recurrent_drafting_drafter"
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class ResBlock(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.linear = nn.Linear(dim, dim, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.silu(self.linear(x))
+
+
+class ReDrafter(nn.Module):
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        self.config = config
+        h, e = config.hidden_size, config.exit_dim
+        if 2 * h != e:
+            self.input_proj = nn.Linear(2 * h, e, bias=True)
+        self.lm_head = nn.ModuleList([*(ResBlock(e) for _ in range(config.num_draft_layers)),
+                                      nn.Linear(e, config.vocab_size, bias=False)])
+        if config.rnn:
+            self.rnn_u = nn.Linear(h, h, bias=True)
+            self.rnn_w = nn.Linear(h, h, bias=False)
+
+    def init_from_target(self, lm_head_weight: torch.Tensor) -> None:
+        """Start as the target's own head applied to h: the vocabulary head copies the target's, and
+        input_proj passes h through (the state half starts at zero)."""
+        h, e = self.config.hidden_size, self.config.exit_dim
+        with torch.no_grad():
+            if e == h and hasattr(self, "input_proj"):
+                self.input_proj.weight.zero_()
+                self.input_proj.weight[:, :h].copy_(torch.eye(h))
+                self.input_proj.bias.zero_()
+                self.lm_head[-1].weight.copy_(lm_head_weight.float())
+            for block in self.lm_head[:-1]:
+                nn.init.normal_(block.linear.weight, std=0.02 / max(1, e) ** 0.5)
+                block.linear.bias.zero_()
+
+    def next_state(self, state: torch.Tensor, token_emb: torch.Tensor) -> torch.Tensor:
+        if self.config.rnn:
+            return F.silu(self.rnn_w(token_emb) + self.rnn_u(state))
+        return token_emb + state
+
+    def logits(self, context: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        x = torch.cat([context, state], dim=-1)
+        if hasattr(self, "input_proj"):
+            x = self.input_proj(x)
+        for layer in self.lm_head:
+            x = layer(x)
+        return x
+
+    def forward(self, context: torch.Tensor, tokens_emb: torch.Tensor) -> torch.Tensor:
+        """Teacher forcing. context [B, H]; tokens_emb [B, K, H]: embeddings of x1..xK.
+        Returns logits [B, K, V]: step k predicts x_{k+1} from h and x1..xk."""
+        state = torch.zeros_like(context)
+        out = []
+        for k in range(tokens_emb.shape[1]):
+            state = self.next_state(state, tokens_emb[:, k])
+            out.append(self.logits(context, state))
+        return torch.stack(out, dim=1)
+
+    @torch.no_grad()
+    def beam_search(self, context: torch.Tensor, init_token: int, embed: nn.Module, num_beams: int,
+                    draft_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft `num_beams` candidates of `draft_len` tokens after `init_token` (the target's own next
+        token). context [H]. Returns (beams [W, L] token ids, log P(beam) [W]), best first."""
+        w, dev = num_beams, context.device
+        ctx = context.float().expand(w, -1)
+        beams = torch.full((w, 1), init_token, dtype=torch.long, device=dev)
+        # only the first beam is live at the start, or all beams would grow the same tokens
+        score = torch.full((w,), float("-inf"), device=dev)
+        score[0] = 0.0
+        state = torch.zeros_like(ctx)
+        for _ in range(draft_len):
+            state = self.next_state(state, embed(beams[:, -1]).float())
+            logits = self.logits(ctx, state)
+            kth = torch.topk(logits, min(TOP_K_WARP, logits.shape[-1]), dim=-1).values[:, -1:]
+            logp = torch.log_softmax(logits.masked_fill(logits < kth, float("-inf")), dim=-1)
+            total = (score[:, None] + logp).reshape(-1)
+            score, idx = torch.topk(total, w)
+            parent, token = idx // logits.shape[-1], idx % logits.shape[-1]
+            beams = torch.cat([beams[parent], token[:, None]], dim=1)
+            state = state[parent]
+        return beams[:, 1:], score
