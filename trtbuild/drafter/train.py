@@ -116,12 +116,14 @@ def train(model: Any, train_seqs: list[Sequence], heldout_seqs: list[Sequence], 
     before = accuracy(drafter, embed, held)
     log(f"{len(ex.context)} training / {len(held.context)} held-out positions (hidden states in {hidden_seconds:.1f}s); "
         f"held-out top-1 per step before training {before}")
-    curve = []
+    curve, losses = [], []
     t1 = time.time()
     n = len(ex.context)
     for step in range(1, spec.steps + 1):
         idx = torch.tensor(rng.sample(range(n), min(spec.batch_size, n)))
-        loss, _ = step_loss(drafter, embed, _subset(ex, idx, device))
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):  # 3x faster on H200
+            loss, _ = step_loss(drafter, embed, _subset(ex, idx, device))
+        losses.append(loss.item())
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
@@ -129,12 +131,13 @@ def train(model: Any, train_seqs: list[Sequence], heldout_seqs: list[Sequence], 
         sched.step()
         if step % max(1, spec.steps // 8) == 0 or step == spec.steps:
             acc = accuracy(drafter, embed, held)
-            curve.append({"step": step, "loss": round(loss.item(), 4), "heldout_top1": acc})
+            curve.append({"step": step, "loss": round(losses[-1], 4), "heldout_top1": acc})
             eta = (time.time() - t1) / step * (spec.steps - step)
-            log(f"step {step}/{spec.steps} loss {loss.item():.3f} held-out top-1 per step {acc} (eta {eta:.0f}s)")
+            log(f"step {step}/{spec.steps} loss {losses[-1]:.3f} held-out top-1 per step {acc} (eta {eta:.0f}s)")
     report = {"positions": n, "heldout_positions": len(held.context), "hidden_seconds": round(hidden_seconds, 1),
               "train_seconds": round(time.time() - t1, 1), "steps": spec.steps, "batch_size": spec.batch_size,
-              "heldout_top1_before": before, "heldout_top1": curve[-1]["heldout_top1"], "curve": curve,
+              "heldout_top1_before": before, "train_loss_first": round(losses[0], 4),
+              "train_loss_last": round(sum(losses[-5:]) / len(losses[-5:]), 4), "heldout_top1": curve[-1]["heldout_top1"], "curve": curve,
               "parameters": sum(p.numel() for p in drafter.parameters()), "device": str(device)}
     return drafter.cpu(), report
 
