@@ -20,8 +20,16 @@ TRTLLM_PY := $(if $(TRTLLM_PYTHON),$(TRTLLM_PYTHON),$(PY))
 TRTLLM_VENV ?= .venv-trtllm
 TRTLLM_INDEX_URL ?=
 export TRTLLM_PYTHON TRTLLM_EXAMPLES
+# The Triton environment (PyTriton's tritonserver + tritonclient; numpy<2, so apart from .venv)
+TRITON_VENV ?= .venv-triton
+TRITON_PY := $(TRITON_VENV)/bin/python
+TRITON_SETUP := $(TRITON_VENV)/.setup-done
+TRITON_GRPC_PORT ?= 8001
+TRITON_HTTP_PORT ?= 8000
+TRITON_METRICS_PORT ?= 8002
+TRITON_URL ?= localhost:$(TRITON_GRPC_PORT)
 
-.PHONY: help setup engine sources merge quantize drafter build report check solve test bench clean doctor gpu-smoke trtllm-venv
+.PHONY: help setup triton-setup triton engine sources merge quantize drafter build report check solve test bench clean doctor gpu-smoke trtllm-venv
 
 help:
 	@echo "make setup                 create $(VENV) with the pinned embedded environment"
@@ -29,6 +37,8 @@ help:
 	@echo "make report MODEL=mix      summary of a finished build (times, sizes, checks, quality)"
 	@echo "make check MODEL=mix       validate the recipe only"
 	@echo "make solve MODEL=mix       build if needed, then solve PROBLEMS=$(PROBLEMS) (results table, runs/$(MODEL)/)"
+	@echo "make triton MODEL=mix      serve the embedded engine behind a real Triton server (PyTriton); BACKEND=trtllm: tensorrtllm_backend repo + launch"
+	@echo "make solve BACKEND=triton  solve through a running Triton server (TRITON_URL=$(TRITON_URL))"
 	@echo "make doctor MODEL=mix      which backends this machine can use, and why not (TRTLLM_PYTHON=...)"
 	@echo "make gpu-smoke             GPU host: build tiny bf16/FP8 engines with TensorRT-LLM and check them"
 	@echo "make trtllm-venv           GPU host: $(TRTLLM_VENV) with the pinned TensorRT-LLM (TRTLLM_INDEX_URL=...)"
@@ -47,6 +57,16 @@ $(SETUP): requirements/embedded.txt requirements/constraints.txt pyproject.toml
 	@echo "== setup: done ($(VENV))"
 
 setup: $(SETUP)
+
+$(TRITON_SETUP): requirements/triton.txt requirements/triton-constraints.txt
+	@echo "== triton-setup: creating $(TRITON_VENV) (PyTriton's Triton server + tritonclient; numpy<2)"
+	$(PYTHON) -m venv $(TRITON_VENV)
+	$(TRITON_PY) -m pip install --quiet --upgrade pip
+	$(TRITON_PY) -m pip install --quiet -c requirements/triton-constraints.txt -r requirements/triton.txt pytest==9.2.0
+	@touch $@
+	@echo "== triton-setup: done ($(TRITON_VENV))"
+
+triton-setup: $(TRITON_SETUP)
 
 check: $(SETUP)
 	$(TB) check
@@ -82,7 +102,12 @@ build: drafter
 engine: build
 	@$(TB) report
 
-ifeq ($(BACKEND),trtllm)
+ifeq ($(BACKEND),triton)
+# through a running Triton server (`make triton` in another shell); tritonclient lives in the Triton env
+solve: $(TRITON_SETUP)
+	PYTHONPATH=$(CURDIR) $(TRITON_PY) -m server.solve --recipe $(RECIPE) --problems $(PROBLEMS) --backend triton \
+		--triton-url $(TRITON_URL)
+else ifeq ($(BACKEND),trtllm)
 # served from TensorRT-LLM's environment (the executor lives there), under mpirun when tp > 1
 solve: build
 	PYTHONPATH=$(CURDIR) $(TRTLLM_PY) -m server.trtllm.launch --recipe $(RECIPE) -- \
@@ -90,6 +115,18 @@ solve: build
 else
 solve: build
 	$(PY) -m server.solve --recipe $(RECIPE) --problems $(PROBLEMS) --backend $(BACKEND)
+endif
+
+ifeq ($(BACKEND),trtllm)
+# tensorrtllm_backend model repository for the TensorRT-LLM engine, then tritonserver (mpirun for tp > 1)
+triton: build
+	$(PY) -m server.triton.deploy --recipe $(RECIPE) --out $(OUT)/triton --grpc-port $(TRITON_GRPC_PORT) \
+		--http-port $(TRITON_HTTP_PORT) --metrics-port $(TRITON_METRICS_PORT) --launch
+else
+# the embedded engine behind a real Triton server (foreground; Ctrl-C stops it)
+triton: build $(TRITON_SETUP)
+	PYTHONPATH=$(CURDIR) $(TRITON_PY) -m server.triton.embedded_server --engine $(OUT)/build/embedded \
+		--grpc-port $(TRITON_GRPC_PORT) --http-port $(TRITON_HTTP_PORT) --metrics-port $(TRITON_METRICS_PORT)
 endif
 
 doctor: $(SETUP)
@@ -108,12 +145,15 @@ trtllm-venv: requirements/trtllm.txt
 report: $(SETUP)
 	@$(TB) report
 
-test: $(SETUP)
+test: $(SETUP) $(TRITON_SETUP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+	@echo "== the Triton tests, in $(TRITON_VENV) (real tritonserver + tritonclient)"
+	$(TRITON_PY) -m pytest -q $(PYTEST_ARGS) tests/test_triton_e2e.py
 
-bench: build
+bench: build $(TRITON_SETUP)
 	$(PY) -m sandbox.bench --out bench/sandbox.json
 	$(PY) -m server.bench --recipe $(RECIPE) --out bench/serving.json
+	PYTHONPATH=$(CURDIR) $(TRITON_PY) -m server.triton.bench --engine $(OUT)/build/embedded --out bench/triton.json
 
 clean:
 	rm -rf $(OUT)

@@ -18,7 +18,7 @@ from typing import Any, Optional
 from server.protocol import SamplingParams
 from trtbuild.recipe import Recipe, RecipeError, load_recipe
 
-BACKENDS = ("auto", "embedded", "trtllm")
+BACKENDS = ("auto", "embedded", "trtllm", "triton")
 
 
 def engine_backend(recipe: Recipe, backend: str) -> str:
@@ -33,7 +33,15 @@ def engine_backend(recipe: Recipe, backend: str) -> str:
     return "trtllm" if built and importlib.util.find_spec("tensorrt_llm") is not None else "embedded"
 
 
-def open_engine(recipe: Recipe, backend: str) -> Any:
+def open_engine(recipe: Recipe, backend: str, triton_url: str = "localhost:8001") -> Any:
+    if backend == "triton":  # whichever engine the server runs; the tokenizer comes from its build folder
+        from server.triton.client import TritonEngine
+
+        for kind in ("trtllm", "embedded"):
+            model_dir = recipe.out_dir / "build" / kind / "model"
+            if (model_dir / "tokenizer_config.json").is_file():
+                return TritonEngine(triton_url, str(model_dir))
+        raise FileNotFoundError(f"{recipe.out_dir}/build: no engine (its tokenizer); run `make engine` first")
     chosen = engine_backend(recipe, backend)
     engine_dir = recipe.out_dir / "build" / chosen
     if not (engine_dir / "engine.json").is_file():
@@ -80,7 +88,7 @@ async def _main(args: argparse.Namespace) -> int:
     out = Path(args.out or f"runs/{recipe.name}/{Path(args.problems).stem}")
     out.mkdir(parents=True, exist_ok=True)
     log(f"[solve] {len(problems)} problems from {args.problems}; loading the {recipe.name} engine")
-    engine = open_engine(recipe, args.backend)
+    engine = open_engine(recipe, args.backend, args.triton_url)
     sandbox = make_sandbox(recipe)
     log(f"[solve] sandbox: {sandbox.size} warm workers, isolation {sandbox.mechanism}")
     try:
@@ -108,14 +116,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m server.solve", description=__doc__.split("\n")[0])
     ap.add_argument("--recipe", required=True)
     ap.add_argument("--problems", required=True, help="CSV with columns id, problem[, answer]")
-    ap.add_argument("--backend", default="auto", help="auto | embedded | trtllm (tp > 1: start under mpirun, "
+    ap.add_argument("--backend", default="auto", help="auto | embedded | trtllm | triton (tp > 1: start under mpirun, "
                                                     "see server/trtllm/launch.py)")
+    ap.add_argument("--triton-url", default="localhost:8001", help="with --backend triton: the server's gRPC address")
     ap.add_argument("--samples", type=int, default=None, help="override serving.solver.samples")
     ap.add_argument("--out", default=None, help="output folder (default runs/<model>/<problems file stem>)")
     args = ap.parse_args(argv)
     try:
         return asyncio.run(_main(args))
-    except (RecipeError, ValueError, FileNotFoundError, RuntimeError) as e:
+    except (RecipeError, ValueError, FileNotFoundError, RuntimeError, ConnectionError) as e:
         print(f"solve: {e}", file=sys.stderr)
         return 2
 

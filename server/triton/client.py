@@ -1,0 +1,304 @@
+"""The `triton` backend: any Triton deployment of the `ensemble` interface, through tritonclient gRPC streaming.
+
+    engine = TritonEngine("localhost:8001", tokenizer_dir="engines/mix/build/embedded/model")
+
+All requests share one bidirectional gRPC stream (decoupled mode); responses are routed to each
+request's asyncio queue by request id. As on the other backends, the text comes from the token ids
+through `textstream` and stop strings are matched on it here; a match, a deadline or `cancel` sends
+the stop signal (a request with parameter `stop: true` and the same `request_key`), and the request
+always ends with one `Final`. Where the server returns token ids (the embedded deployment) they are
+exact; tensorrtllm_backend's ensemble returns only text, which is re-tokenized (the text stays byte
+for byte; the ids of a continuation may differ from the model's). If the stream breaks (the server
+died or restarted), every request in flight ends with an error that says so, and the next request
+reconnects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Optional, Sequence
+
+from server.protocol import Delta, Event, Final, Request, SamplingParams, stream_events
+from server.textstream import IncrementalDetokenizer, StopMatcher
+from server.triton.interface import INPUTS, KEY_PARAMETER, MODEL, STOP_PARAMETER
+
+CANCEL_GRACE_SECONDS = 5.0
+FINISH_REASONS = ("stop", "length", "cancelled", "timeout", "error")
+
+
+@dataclass
+class _Pending:
+    req: Request
+    loop: asyncio.AbstractEventLoop
+    out: asyncio.Queue
+    detok: IncrementalDetokenizer
+    stopper: StopMatcher
+    prompt_tokens: int
+    submitted: float
+    generated: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    first: Optional[float] = None
+    stop_sent: Optional[float] = None
+    end_reason: str = "cancelled"
+    done: bool = False
+
+
+class TritonEngine:
+    name = "triton"
+
+    def __init__(self, url: str, tokenizer_dir: str, model: str = MODEL, connect_timeout: float = 10.0):
+        from transformers import AutoTokenizer
+
+        self.url, self.model = url, model
+        self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        self.connect_timeout = connect_timeout
+        self._lock = threading.Lock()
+        self._pending: dict[str, _Pending] = {}
+        self._client: Any = None
+        self._broken: list[Any] = []
+        self._exact_ids = False
+        self._closed = False
+        self._watchdog = threading.Thread(target=self._watch, name="triton-watchdog", daemon=True)
+        self._connect()
+        self._watchdog.start()
+
+    # ---- connection
+    def _connect(self) -> None:
+        import tritonclient.grpc as grpcclient
+
+        client = grpcclient.InferenceServerClient(self.url)
+        deadline = time.monotonic() + self.connect_timeout
+        while True:
+            try:
+                if client.is_server_ready() and client.is_model_ready(self.model):
+                    break
+            except Exception:  # noqa: BLE001 - not up yet
+                pass
+            if time.monotonic() > deadline:
+                raise ConnectionError(f"Triton at {self.url}: model {self.model!r} not ready after "
+                                      f"{self.connect_timeout:.0f}s (start it with `make triton`)")
+            time.sleep(0.2)
+        meta = client.get_model_metadata(self.model, as_json=True)
+        self._exact_ids = any(i["name"] == "input_ids" for i in meta.get("inputs", []))
+        client.start_stream(callback=self._on_response)
+        self._client = client
+
+    def _on_response(self, result: Any, error: Any) -> None:
+        """tritonclient's stream thread: route one response (or a stream error) to its request."""
+        if error is not None:
+            rid = None
+            try:
+                rid = result.get_response().id if result is not None else None
+            except Exception:  # noqa: BLE001
+                pass
+            with self._lock:
+                victims = [self._pending[rid]] if rid in self._pending else list(self._pending.values())
+                if rid is None:  # the stream itself broke: drop it, the next request reconnects
+                    self._drop_client()
+                for p in victims:
+                    self._finish(p, "error", error=f"Triton stream failed ({self.url}): {error}")
+            return
+        resp = result.get_response()
+        with self._lock:
+            p = self._pending.get(resp.id)
+            if p is None or p.done:
+                return
+            final = resp.parameters.get("triton_final_response")
+            is_final = bool(final.bool_param) if final is not None else False
+            if not is_final or resp.outputs:
+                self._on_output(p, result)
+            if is_final and not p.done:  # a server that sends no finish_reason (tensorrtllm_backend)
+                ran_out = len(p.generated) >= p.req.params.max_tokens
+                self._finish(p, p.end_reason if p.stop_sent else ("length" if ran_out else "stop"))
+
+    def _on_output(self, p: _Pending, result: Any) -> None:
+        names = {o.name for o in result.get_response().outputs}
+        reason = result.as_numpy("finish_reason") if "finish_reason" in names else None
+        if "token_ids" in names:
+            new = [int(t) for t in result.as_numpy("token_ids").reshape(-1)]
+        else:
+            raw = result.as_numpy("text_output").reshape(-1)
+            piece = b"".join(x if isinstance(x, bytes) else str(x).encode() for x in raw).decode("utf-8", "replace")
+            new = self.tokenizer(piece, add_special_tokens=False)["input_ids"] if piece else []
+        if new and not p.done:
+            logprobs = None
+            k = p.req.params.top_logprobs
+            if k and "logprobs" in names:
+                flat = result.as_numpy("logprobs").reshape(-1, 2)
+                logprobs = tuple(tuple((int(t), float(lp)) for t, lp in flat[i * k:(i + 1) * k])
+                                 for i in range(len(flat) // k))
+            p.first = p.first or time.monotonic()
+            p.generated.extend(new)
+            text, matched, overhang = p.stopper.feed(p.detok.push(new))
+            p.text.append(text)
+            self._emit(p, Delta(tuple(new), text, logprobs))
+            if matched is not None:
+                self._send_stop(p, "stop")
+                self._finish(p, "stop", stop_string=matched, overhang=overhang + p.detok.flush())
+                return
+        if reason is not None and not p.done:
+            r = reason.reshape(-1)[0]
+            r = (r.decode() if isinstance(r, bytes) else str(r)).strip()
+            head, _, err = r.partition(": ")
+            if head in FINISH_REASONS:
+                self._finish(p, p.end_reason if head == "cancelled" and p.stop_sent else head, error=err)
+
+    # ---- the protocol
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def chat_prompt(self, problem: str, system_prompt: Optional[str] = None) -> str:
+        msgs = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + \
+               [{"role": "user", "content": problem}]
+        return self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+
+    def _inputs(self, prompt: list[int], p: SamplingParams) -> list:
+        import numpy as np
+        import tritonclient.grpc as grpcclient
+
+        types = {f.name: f for f in INPUTS}
+        values: dict[str, Any] = {
+            "text_input": np.array([self.tokenizer.decode(prompt, skip_special_tokens=False).encode()], dtype=object),
+            "max_tokens": np.array([p.max_tokens], dtype=np.int32),
+            "stream": np.array([True]), "temperature": np.array([p.temperature], dtype=np.float32),
+            "top_p": np.array([p.top_p], dtype=np.float32), "top_k": np.array([p.top_k], dtype=np.int32),
+        }
+        if p.seed is not None:
+            values["seed"] = np.array([p.seed], dtype=np.uint64)
+        if p.ignore_eos:
+            values["end_id"] = np.array([-1], dtype=np.int32)
+        if self._exact_ids:
+            values["input_ids"] = np.array(prompt, dtype=np.int32)
+            if p.top_logprobs:
+                values["top_logprobs"] = np.array([p.top_logprobs], dtype=np.int32)
+        out = []
+        for name, arr in values.items():
+            x = grpcclient.InferInput(name, list(arr.shape), types[name].triton_type)
+            x.set_data_from_numpy(arr)
+            out.append(x)
+        return out
+
+    async def generate(self, request: Request) -> AsyncIterator[Event]:
+        if self._closed:
+            raise RuntimeError("engine is closed")
+        loop = asyncio.get_running_loop()
+        out: asyncio.Queue = asyncio.Queue()
+        prompt = self.tokenize(request.prompt) if isinstance(request.prompt, str) else [int(t) for t in request.prompt]
+        p = _Pending(request, loop, out, IncrementalDetokenizer(self.tokenizer), StopMatcher(request.params.stop),
+                     len(prompt), time.monotonic())
+        try:
+            with self._lock:
+                if self._client is None:
+                    for old in self._broken:
+                        try:
+                            old.close()
+                        except Exception:  # noqa: BLE001 - already broken
+                            pass
+                    self._broken.clear()
+                    self._connect()
+                self._pending[request.request_id] = p
+                self._client.async_stream_infer(self.model, self._inputs(prompt, request.params),
+                                                request_id=request.request_id,
+                                                parameters={KEY_PARAMETER: request.request_id},
+                                                enable_empty_final_response=True)
+        except Exception as e:  # noqa: BLE001 - a dead server is an error of this request, said plainly
+            with self._lock:
+                self._drop_client()
+                self._finish(p, "error", error=f"Triton at {self.url} unreachable: {e}")
+        async for ev in stream_events(out, lambda: self.cancel(request.request_id)):
+            yield ev
+
+    def cancel(self, request_id: str) -> None:
+        with self._lock:
+            p = self._pending.get(request_id)
+            if p is not None and not p.done:
+                self._send_stop(p, "cancelled")
+
+    async def close(self) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:
+            for p in list(self._pending.values()):
+                self._finish(p, "error", error="engine closed")
+            client, self._client = self._client, None
+        if client is not None:
+            try:
+                client.stop_stream(cancel_requests=True)
+                client.close()
+            except Exception:  # noqa: BLE001 - closing a broken connection
+                pass
+
+    # ---- internals (lock held)
+    def _drop_client(self) -> None:
+        """Forget a broken connection; it is closed later from a caller's thread (closing it from the
+        stream's own thread, where its error arrives, would join that thread)."""
+        if self._client is not None:
+            self._broken.append(self._client)
+        self._client = None
+
+    def _send_stop(self, p: _Pending, reason: str) -> None:
+        if p.stop_sent is not None:
+            return
+        p.stop_sent, p.end_reason = time.monotonic(), reason
+        if self._client is None:
+            return
+        import numpy as np
+        import tritonclient.grpc as grpcclient
+
+        inputs = []
+        for name, arr, t in (("text_input", np.array([b""], dtype=object), "BYTES"),
+                             ("max_tokens", np.array([1], dtype=np.int32), "INT32")):
+            x = grpcclient.InferInput(name, [1], t)
+            x.set_data_from_numpy(arr)
+            inputs.append(x)
+        try:
+            self._client.async_stream_infer(self.model, inputs, request_id=f"{p.req.request_id}/stop",
+                                            parameters={KEY_PARAMETER: p.req.request_id, STOP_PARAMETER: True})
+        except Exception:  # noqa: BLE001 - the grace timer finalises it
+            pass
+
+    def _watch(self) -> None:
+        """Deadlines and stops the server never confirmed."""
+        while not self._closed:
+            time.sleep(0.05)
+            now = time.monotonic()
+            with self._lock:
+                for p in list(self._pending.values()):
+                    if p.req.deadline is not None and now >= p.req.deadline and p.stop_sent is None:
+                        self._send_stop(p, "timeout")
+                        self._finish(p, "timeout")
+                    elif p.stop_sent is not None and now - p.stop_sent > CANCEL_GRACE_SECONDS:
+                        self._finish(p, p.end_reason)
+
+    def _emit(self, p: _Pending, ev: Event) -> None:
+        try:
+            p.loop.call_soon_threadsafe(p.out.put_nowait, ev)
+        except RuntimeError:
+            pass
+
+    def _finish(self, p: _Pending, reason: str, stop_string: Optional[str] = None, overhang: str = "",
+                error: str = "") -> None:
+        if p.done:
+            return
+        p.done = True
+        self._pending.pop(p.req.request_id, None)
+        if stop_string is None and reason != "error":
+            tail = p.stopper.feed(p.detok.flush())[0] + p.stopper.flush()
+            if tail:
+                p.text.append(tail)
+                self._emit(p, Delta((), tail))
+        now = time.monotonic()
+        self._emit(p, Final(request_id=p.req.request_id, finish_reason=reason, text="".join(p.text),  # type: ignore[arg-type]
+                            token_ids=tuple(p.generated), prompt_tokens=p.prompt_tokens, stop_string=stop_string,
+                            overhang=overhang, error=error, queue_seconds=(p.first or now) - p.submitted,
+                            seconds=now - p.submitted))

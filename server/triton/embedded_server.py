@@ -1,0 +1,160 @@
+"""The embedded engine behind a real Triton Inference Server (the tritonserver PyTriton bundles; CPU-only).
+
+    python -m server.triton.embedded_server --engine engines/mix/build/embedded [--grpc-port 8001 ...]
+
+Serves the `ensemble` interface (server/triton/interface.py) in decoupled (streaming) mode from an
+async generator, so many requests share one in-flight batch. The model is loaded before it is bound:
+Triton's readiness endpoint says ready only once the engine can serve. A request with parameter
+`stop: true` ends the running request of the same `request_key` (its stream ends with finish_reason
+'cancelled'). Runs in the Triton environment (.venv-triton: PyTriton needs numpy<2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import sysconfig
+import time
+from pathlib import Path
+from typing import Any, AsyncIterator, Optional
+
+from server.triton.interface import INPUTS, KEY_PARAMETER, MODEL, OUTPUTS, STOP_PARAMETER
+
+
+def _scalar(req: Any, name: str, default: Any = None) -> Any:
+    if name not in req.data:
+        return default
+    v = req.data[name].reshape(-1)
+    return v[0].item() if v.size else default
+
+
+def _text(v: Any) -> str:
+    return v.decode("utf-8", errors="replace") if isinstance(v, bytes) else str(v)
+
+
+class Servable:
+    """The infer callable: one engine, a registry of running requests by key for the stop signal."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+        self.running: dict[str, str] = {}  # request_key -> engine request id
+        self.requests = 0
+
+    def request_from(self, req: Any) -> Any:
+        import numpy as np
+
+        from server.protocol import Request, SamplingParams
+
+        ids = req.data.get("input_ids")
+        prompt: Any = [int(i) for i in np.asarray(ids).reshape(-1)] if ids is not None and np.asarray(ids).size else \
+            _text(_scalar(req, "text_input", b""))
+        stops = tuple(_text(s) for s in np.asarray(req.data["stop_words"]).reshape(-1)) if "stop_words" in req.data else ()
+        end_id = _scalar(req, "end_id")
+        params = SamplingParams(
+            temperature=float(_scalar(req, "temperature", 0.0)), top_p=float(_scalar(req, "top_p", 1.0) or 1.0),
+            top_k=int(_scalar(req, "top_k", 0)), seed=_scalar(req, "seed"),
+            max_tokens=max(1, int(_scalar(req, "max_tokens", 16))), stop=tuple(s for s in stops if s),
+            stop_token_ids=(int(end_id),) if end_id is not None and end_id >= 0 else (),
+            top_logprobs=int(_scalar(req, "top_logprobs", 0)))
+        return Request(prompt, params)
+
+    async def __call__(self, requests: list) -> AsyncIterator[list[dict]]:
+        import numpy as np
+
+        from server.protocol import Delta, Final
+
+        req = requests[0]
+        params = req.parameters or {}
+        key = str(params.get(KEY_PARAMETER, ""))
+        if params.get(STOP_PARAMETER):
+            rid = self.running.get(key)
+            if rid is not None:
+                self.engine.cancel(rid)
+            yield [{"text_output": np.array([b""], dtype=object), "finish_reason": np.array([b"stop_sent"], dtype=object)}]
+            return
+        request = self.request_from(req)
+        stream = bool(_scalar(req, "stream", True))
+        if key:
+            self.running[key] = request.request_id
+        self.requests += 1
+        text, ids = [], []
+        try:
+            async for ev in self.engine.generate(request):
+                if isinstance(ev, Delta):
+                    if not stream:
+                        text.append(ev.text)
+                        ids.extend(ev.token_ids)
+                        continue
+                    out = {"text_output": np.array([ev.text.encode()], dtype=object),
+                           "token_ids": np.array(ev.token_ids, dtype=np.int32)}
+                    if ev.logprobs:
+                        out["logprobs"] = np.array([p for top in ev.logprobs for p in top], dtype=np.float32).reshape(-1, 2)
+                    yield [out]
+                elif isinstance(ev, Final):
+                    tail = "".join(text) if not stream else ""
+                    reason = ev.finish_reason + (f": {ev.error}" if ev.error else "")
+                    yield [{"text_output": np.array([tail.encode()], dtype=object),
+                            "token_ids": np.array(ids, dtype=np.int32),
+                            "finish_reason": np.array([reason.encode()], dtype=object)}]
+        finally:
+            if key and self.running.get(key) == request.request_id:
+                del self.running[key]
+
+
+def tensors(fields: tuple, inputs: bool = True) -> list:
+    import numpy as np
+    from pytriton.model_config import Tensor
+
+    def dtype(f: Any) -> Any:
+        return bytes if f.numpy_type == "object" else np.dtype(f.numpy_type).type
+    # outputs cannot be optional in a model config; a response may still carry only some of them
+    return [Tensor(name=f.name, dtype=dtype(f), shape=f.shape, optional=f.optional and inputs) for f in fields]
+
+
+def serve(engine_dir: Path, grpc_port: int, http_port: int, metrics_port: int, log: Any = print) -> None:
+    from pytriton.model_config import ModelConfig
+    from pytriton.triton import Triton, TritonConfig
+
+    from server.embedded.engine import EmbeddedEngine
+
+    # the python backend stub loads libpython: pyenv builds keep it outside the default library path
+    libdir = sysconfig.get_config_var("LIBDIR")
+    if libdir and libdir not in os.environ.get("LD_LIBRARY_PATH", ""):
+        os.environ["LD_LIBRARY_PATH"] = f"{libdir}:{os.environ.get('LD_LIBRARY_PATH', '')}"
+    t0 = time.time()
+    engine = EmbeddedEngine.from_dir(engine_dir)
+    log(f"[triton] engine loaded from {engine_dir} in {time.time() - t0:.1f}s")
+    servable = Servable(engine)
+    config = TritonConfig(grpc_port=grpc_port, http_port=http_port, metrics_port=metrics_port, exit_timeout_secs=5)
+    with Triton(config=config) as triton:
+        triton.bind(MODEL, servable, inputs=tensors(INPUTS), outputs=tensors(OUTPUTS, inputs=False),
+                    config=ModelConfig(decoupled=True, batching=False), strict=False)
+        log(f"[triton] ready: model {MODEL!r} on grpc :{grpc_port}, http :{http_port} "
+            f"({time.time() - t0:.1f}s after start)")
+        try:
+            triton.serve()
+        finally:
+            engine.shutdown()
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m server.triton.embedded_server", description=__doc__.splitlines()[0])
+    ap.add_argument("--engine", required=True, type=Path, help="an embedded engine folder (build/embedded/)")
+    ap.add_argument("--grpc-port", type=int, default=8001)
+    ap.add_argument("--http-port", type=int, default=8000)
+    ap.add_argument("--metrics-port", type=int, default=8002)
+    args = ap.parse_args(argv)
+    if not (args.engine / "engine.json").is_file() and not (args.engine / "config.json").is_file():
+        print(f"triton: {args.engine}: no embedded engine; run `make engine` first", file=sys.stderr)
+        return 2
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # unwind through Triton's context: tritonserver stops too
+        signal.signal(sig, lambda *_: sys.exit(0))
+    serve(args.engine, args.grpc_port, args.http_port, args.metrics_port,
+          log=lambda m: print(m, file=sys.stderr, flush=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""The request interface both Triton deployments expose: tensorrtllm_backend's `ensemble` model.
+
+Inputs text_input (BYTES) and max_tokens (INT32); optional stream, temperature, top_p, top_k,
+seed (UINT64), stop_words (BYTES), end_id; output text_output, streamed in decoupled mode. The
+embedded deployment adds optional extras the TensorRT-LLM ensemble lacks: input_ids (the exact
+token history, so continuations keep the prefix contract), top_logprobs, and the outputs token_ids,
+logprobs and finish_reason. A request parameter `request_key` names a request; a later request
+with parameter `stop: true` and the same key ends it (Triton does not pass a client's cancellation
+on to a Python model, so the stop is a request of its own).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MODEL = "ensemble"
+STOP_PARAMETER = "stop"
+KEY_PARAMETER = "request_key"
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str
+    triton_type: str  # as tritonclient names it
+    numpy_type: str  # numpy dtype name ('object' for BYTES)
+    shape: tuple[int, ...]
+    optional: bool = True
+
+
+INPUTS = (
+    Field("text_input", "BYTES", "object", (1,), optional=False),
+    Field("max_tokens", "INT32", "int32", (1,), optional=False),
+    Field("stream", "BOOL", "bool", (1,)),
+    Field("temperature", "FP32", "float32", (1,)),
+    Field("top_p", "FP32", "float32", (1,)),
+    Field("top_k", "INT32", "int32", (1,)),
+    Field("seed", "UINT64", "uint64", (1,)),
+    Field("stop_words", "BYTES", "object", (-1,)),
+    Field("end_id", "INT32", "int32", (1,)),
+    # embedded extensions
+    Field("input_ids", "INT32", "int32", (-1,)),
+    Field("top_logprobs", "INT32", "int32", (1,)),
+)
+OUTPUTS = (
+    Field("text_output", "BYTES", "object", (1,), optional=False),
+    Field("token_ids", "INT32", "int32", (-1,)),
+    Field("logprobs", "FP32", "float32", (-1, 2)),  # per token: (token id, logprob) of its top entries, flattened
+    Field("finish_reason", "BYTES", "object", (1,)),
+)

@@ -1,0 +1,217 @@
+"""End to end through a real Triton Inference Server (PyTriton's tritonserver, CPU) and tritonclient.
+
+Runs in the Triton environment (`make test` runs this file with .venv-triton's python; the main
+environment skips it). The server serves a tiny random model with the embedded engine; the server
+process is always killed at the end, whatever happens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("tritonclient.grpc")
+pytest.importorskip("pytriton")
+
+from server.protocol import Final, Request, SamplingParams, collect  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+class Server:
+    """A tritonserver subprocess in its own process group."""
+
+    def __init__(self, engine_dir: Path, log: Path):
+        self.engine_dir, self.log = engine_dir, log
+        self.grpc, self.http, self.metrics = free_ports(3)
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"localhost:{self.grpc}"
+
+    def start(self, wait: bool = True) -> float:
+        t0 = time.monotonic()
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "server.triton.embedded_server", "--engine", str(self.engine_dir),
+             "--grpc-port", str(self.grpc), "--http-port", str(self.http), "--metrics-port", str(self.metrics)],
+            stdout=self.log.open("a"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        if wait:
+            self.wait_ready()
+        return time.monotonic() - t0
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        import tritonclient.grpc as grpcclient
+
+        client = grpcclient.InferenceServerClient(self.url)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"tritonserver exited: {self.log.read_text()[-3000:]}"
+            try:
+                if client.is_server_ready() and client.is_model_ready("ensemble"):
+                    return
+            except Exception:  # noqa: BLE001 - not listening yet
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"tritonserver not ready in {timeout}s: {self.log.read_text()[-3000:]}")
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models, tmp_path_factory):
+    srv = Server(tiny_models["llama-tir"], tmp_path_factory.mktemp("triton") / "server.log")
+    try:
+        srv.startup_seconds = srv.start()
+        yield srv
+    finally:
+        srv.kill()
+
+
+@pytest.fixture(scope="module")
+def engine(server, tiny_models):
+    from server.triton.client import TritonEngine
+
+    eng = TritonEngine(server.url, str(tiny_models["llama-tir"]))
+    yield eng
+    eng.shutdown()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def ready_now(srv: Server) -> bool:
+    import tritonclient.grpc as grpcclient
+
+    try:
+        client = grpcclient.InferenceServerClient(srv.url)
+        return bool(client.is_server_ready() and client.is_model_ready("ensemble"))
+    except Exception:  # noqa: BLE001 - nothing listening
+        return False
+
+
+def test_ready_only_once_the_model_is_loaded_and_greedy_equals_the_embedded_engine(server, engine, tiny_models):
+    """Readiness comes after the engine loaded; greedy tokens through Triton are the engine's own."""
+    from server.embedded.engine import EmbeddedEngine
+
+    assert engine._exact_ids  # the embedded deployment advertises exact token ids
+    prompt = engine.tokenize(engine.chat_prompt("What is 6 times 7?"))
+    params = SamplingParams(temperature=0, max_tokens=24)
+    deltas, via_triton = run(collect(engine, Request(prompt, params)))
+    direct = EmbeddedEngine.from_dir(tiny_models["llama-tir"])
+    try:
+        _, local = run(collect(direct, Request(prompt, params)))
+    finally:
+        direct.shutdown()
+    assert via_triton.token_ids == local.token_ids and via_triton.text == local.text
+    assert via_triton.finish_reason == local.finish_reason and len(deltas) > 1
+
+
+def test_concurrent_streams_seeds_logprobs_and_stop_strings(engine):
+    prompt = engine.tokenize(engine.chat_prompt("Sum of 1 to 10?"))
+
+    async def go():
+        reqs = [Request(prompt, SamplingParams(temperature=0.8, seed=s % 3, max_tokens=16, top_logprobs=2,
+                                               ignore_eos=True)) for s in range(6)]
+        return await asyncio.gather(*(collect(engine, r) for r in reqs))
+    results = run(go())
+    assert all(f.finish_reason == "length" and len(f.token_ids) == 16 for _, f in results)
+    assert results[0][1].token_ids == results[3][1].token_ids  # same seed, same tokens, batched or not
+    assert all(len(top) == 2 for d, _ in results for delta in d for top in (delta.logprobs or ()))
+    text = results[0][1].text
+    stop = text[5:9] if len(text) > 9 else None
+    if stop:
+        _, f = run(collect(engine, Request(prompt, SamplingParams(temperature=0.8, seed=0, max_tokens=16,
+                                                                   ignore_eos=True, stop=(stop,)))))
+        assert f.finish_reason == "stop" and f.stop_string == stop and f.text.endswith(stop)
+
+
+def test_stop_a_request_mid_stream_and_the_server_moves_on(engine):
+    prompt = engine.tokenize(engine.chat_prompt("Count."))
+
+    async def go():
+        req = Request(prompt, SamplingParams(temperature=0.5, seed=1, max_tokens=400, ignore_eos=True))
+        events = []
+        async for ev in engine.generate(req):
+            events.append(ev)
+            if len(events) == 4:
+                engine.cancel(req.request_id)
+        return events
+    t = time.monotonic()
+    events = run(go())
+    final = events[-1]
+    assert isinstance(final, Final) and final.finish_reason == "cancelled" and len(final.token_ids) < 400
+    assert sum(isinstance(e, Final) for e in events) == 1 and time.monotonic() - t < 10
+    _, after = run(collect(engine, Request(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))))
+    assert after.finish_reason == "length"
+
+
+def test_solver_runs_tir_over_triton(server, tiny_models, tmp_path):
+    """The solver, the TIR client and the sandbox, unchanged, over the triton backend."""
+    from sandbox import Limits, SandboxConfig, SandboxPool
+    from server.solver import Solver, SolverConfig
+    from server.tir import TIRClient
+    from server.triton.client import TritonEngine
+
+    eng = TritonEngine(server.url, str(tiny_models["llama-tir"]))
+    try:
+        with SandboxPool(SandboxConfig(limits=Limits(wall_seconds=3), pool_size=2)) as pool:
+            client = TIRClient(eng, pool, sampling=SamplingParams(temperature=0.7, max_tokens=48))
+            result = run(Solver(eng, client, SolverConfig(samples=4, first=3, agree=2, enough=4)).solve("p", "What is 6 times 7?"))
+    finally:
+        eng.shutdown()
+    assert len(result.traces) == 4 and all(t.finish in ("eos", "max_tokens", "length", "cancelled") for t in result.traces)
+    assert all(t.tokens > 0 for t in result.traces)
+
+
+def test_server_killed_mid_request_then_restarted(tiny_models, tmp_path):
+    from server.triton.client import TritonEngine
+
+    srv = Server(tiny_models["llama-tir"], tmp_path / "server.log")
+    try:
+        srv.start()
+        eng = TritonEngine(srv.url, str(tiny_models["llama-tir"]))
+        prompt = eng.tokenize(eng.chat_prompt("Count."))
+
+        async def killed():
+            req = Request(prompt, SamplingParams(temperature=0.5, seed=1, max_tokens=2000, ignore_eos=True))
+            async for ev in eng.generate(req):
+                if not isinstance(ev, Final):
+                    srv.kill()
+                else:
+                    return ev
+        final = run(asyncio.wait_for(killed(), 60))
+        assert final.finish_reason == "error" and "Triton" in final.error
+        _, refused = run(collect(eng, Request(prompt, SamplingParams(max_tokens=4))))
+        assert refused.finish_reason == "error" and srv.url in refused.error
+        srv.start(wait=False)  # same ports; not ready (not even listening) until the engine has loaded
+        assert not ready_now(srv)
+        srv.wait_ready()
+        _, again = run(collect(eng, Request(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))))
+        assert again.finish_reason == "length" and len(again.token_ids) == 6
+        eng.shutdown()
+    finally:
+        srv.kill()
