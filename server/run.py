@@ -55,7 +55,7 @@ def read_problems(path: str | Path) -> list[Problem]:
 class RunReport:
     results: list[SolveResult] = field(default_factory=list)
     wall_seconds: float = 0.0
-    engine_busy_seconds: float = 0.0
+    engine_busy_seconds: Optional[float] = None  # None: the backend keeps no engine statistics
 
     @property
     def tokens(self) -> int:
@@ -76,7 +76,8 @@ class RunReport:
         tool = sum(t.tool_seconds for t in traces)
         total = sum(t.seconds for t in traces)
         return {"generation": gen, "tool": tool, "other": max(0.0, total - gen - tool),
-                "engine_idle": max(0.0, self.wall_seconds - self.engine_busy_seconds)}
+                "engine_idle": (max(0.0, self.wall_seconds - self.engine_busy_seconds)
+                                if self.engine_busy_seconds is not None else None)}
 
     def summary(self) -> dict:
         lanes = self.lanes()
@@ -106,7 +107,9 @@ class RunReport:
                   f"{acc}; {s['tokens']} tokens in {s['wall_seconds']:.1f} s = {s['tokens_per_second']:.1f} tok/s (whole run); "
                   f"{s['code_calls']} code calls",
                   f"sample time: generation {100 * lanes['generation'] / lanes_total:.1f}%, tool {100 * lanes['tool'] / lanes_total:.1f}%, "
-                  f"other {100 * lanes['other'] / lanes_total:.1f}%; engine idle {lanes['engine_idle']:.1f} s of {s['wall_seconds']:.1f} s wall"]
+                  f"other {100 * lanes['other'] / lanes_total:.1f}%; engine idle "
+                  + (f"{lanes['engine_idle']:.1f} s of {s['wall_seconds']:.1f} s wall" if lanes["engine_idle"] is not None
+                     else "not known (the backend reports no engine statistics)")]
         return "\n".join(lines)
 
 
@@ -145,5 +148,5 @@ async def run_problems(solver: Solver, problems: list[Problem], budget: TimeBudg
         if out:
             out.close()
     report.wall_seconds = time.monotonic() - t0
-    report.engine_busy_seconds = (engine_stats() - busy0) if engine_stats else report.wall_seconds
+    report.engine_busy_seconds = (engine_stats() - busy0) if engine_stats else None
     return report
