@@ -29,7 +29,7 @@ TRITON_HTTP_PORT ?= 8000
 TRITON_METRICS_PORT ?= 8002
 TRITON_URL ?= localhost:$(TRITON_GRPC_PORT)
 
-.PHONY: help setup triton-setup triton engine sources merge quantize drafter build report check solve test bench clean doctor gpu-smoke trtllm-venv
+.PHONY: help setup triton-setup triton kaggle engine sources merge quantize drafter build report check solve test bench clean doctor gpu-smoke trtllm-venv
 
 help:
 	@echo "make setup                 create $(VENV) with the pinned embedded environment"
@@ -39,6 +39,7 @@ help:
 	@echo "make solve MODEL=mix       build if needed, then solve PROBLEMS=$(PROBLEMS) (results table, runs/$(MODEL)/)"
 	@echo "make triton MODEL=mix      serve the embedded engine behind a real Triton server (PyTriton); BACKEND=trtllm: tensorrtllm_backend repo + launch"
 	@echo "make solve BACKEND=triton  solve through a running Triton server (TRITON_URL=$(TRITON_URL))"
+	@echo "make kaggle MODEL=mix      Kaggle dataset folder + notebook ($(OUT)/kaggle), then the notebook run offline with the local gateway"
 	@echo "make doctor MODEL=mix      which backends this machine can use, and why not (TRTLLM_PYTHON=...)"
 	@echo "make gpu-smoke             GPU host: build tiny bf16/FP8 engines with TensorRT-LLM and check them"
 	@echo "make trtllm-venv           GPU host: $(TRTLLM_VENV) with the pinned TensorRT-LLM (TRTLLM_INDEX_URL=...)"
@@ -129,6 +130,12 @@ triton: build $(TRITON_SETUP)
 		--grpc-port $(TRITON_GRPC_PORT) --http-port $(TRITON_HTTP_PORT) --metrics-port $(TRITON_METRICS_PORT)
 endif
 
+# the Kaggle dataset folder (wheels, engine, problems, notebook); KAGGLE_WHEELS=project ships only our wheel
+KAGGLE_WHEELS ?= runtime
+kaggle: build
+	$(PY) -m server.kaggle.package --recipe $(RECIPE) --out $(OUT)/kaggle --wheels $(KAGGLE_WHEELS) --problems $(PROBLEMS)
+	$(PY) -m server.kaggle.execute --dataset $(OUT)/kaggle --out $(OUT)/kaggle-run
+
 doctor: $(SETUP)
 	@$(TB) doctor || echo "(doctor: the recipe's backend is not usable on this machine; reasons above)"
 
@@ -148,7 +155,7 @@ report: $(SETUP)
 test: $(SETUP) $(TRITON_SETUP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 	@echo "== the Triton tests, in $(TRITON_VENV) (real tritonserver + tritonclient)"
-	$(TRITON_PY) -m pytest -q $(PYTEST_ARGS) tests/test_triton_e2e.py
+	timeout 900 $(TRITON_PY) -m pytest -q $(PYTEST_ARGS) tests/test_triton_e2e.py
 
 bench: build $(TRITON_SETUP)
 	$(PY) -m sandbox.bench --out bench/sandbox.json

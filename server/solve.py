@@ -57,10 +57,14 @@ def open_engine(recipe: Recipe, backend: str, triton_url: str = "localhost:8001"
 
 
 def make_solver(recipe: Recipe, engine: Any, sandbox: Any, samples: Optional[int] = None) -> Any:
+    return make_solver_for(recipe.serving, engine, sandbox, samples)
+
+
+def make_solver_for(s: Any, engine: Any, sandbox: Any, samples: Optional[int] = None) -> Any:
+    """A solver from a `serving` section (a recipe's, or the copy in an engine's engine.json)."""
     from server.solver import Solver, SolverConfig
     from server.tir import Tags, TIRClient
 
-    s = recipe.serving
     sampling = SamplingParams(temperature=s.sampling.temperature, top_p=s.sampling.top_p, top_k=s.sampling.top_k,
                               max_tokens=s.sampling.max_tokens)
     cfg = SolverConfig.from_spec(s.solver, s.system_prompt)

@@ -24,6 +24,23 @@ pytest.importorskip("pytriton")
 from server.protocol import Final, Request, SamplingParams, collect  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+TEST_SECONDS = 240  # no test here may hang CI: past this, stacks are dumped and the test fails
+
+
+@pytest.fixture(autouse=True)
+def hang_guard():
+    import faulthandler
+
+    def expire(signum, frame):
+        faulthandler.dump_traceback(all_threads=True)
+        raise TimeoutError(f"test exceeded {TEST_SECONDS}s")
+    old = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(TEST_SECONDS)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
 
 
 def free_ports(n: int) -> list[int]:
@@ -67,7 +84,7 @@ class Server:
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, f"tritonserver exited: {self.log.read_text()[-3000:]}"
             try:
-                if client.is_server_ready() and client.is_model_ready("ensemble"):
+                if client.is_server_ready(client_timeout=5) and client.is_model_ready("ensemble", client_timeout=5):
                     return
             except Exception:  # noqa: BLE001 - not listening yet
                 pass
@@ -108,7 +125,7 @@ def ready_now(srv: Server) -> bool:
 
     try:
         client = grpcclient.InferenceServerClient(srv.url)
-        return bool(client.is_server_ready() and client.is_model_ready("ensemble"))
+        return bool(client.is_server_ready(client_timeout=5) and client.is_model_ready("ensemble", client_timeout=5))
     except Exception:  # noqa: BLE001 - nothing listening
         return False
 
@@ -180,7 +197,8 @@ def test_solver_runs_tir_over_triton(server, tiny_models, tmp_path):
     try:
         with SandboxPool(SandboxConfig(limits=Limits(wall_seconds=3), pool_size=2)) as pool:
             client = TIRClient(eng, pool, sampling=SamplingParams(temperature=0.7, max_tokens=48))
-            result = run(Solver(eng, client, SolverConfig(samples=4, first=3, agree=2, enough=4)).solve("p", "What is 6 times 7?"))
+            solver = Solver(eng, client, SolverConfig(samples=4, first=3, agree=2, enough=4))
+            result = run(solver.solve("p", "What is 6 times 7?", deadline=time.monotonic() + 90))
     finally:
         eng.shutdown()
     assert len(result.traces) == 4 and all(t.finish in ("eos", "max_tokens", "length", "cancelled") for t in result.traces)

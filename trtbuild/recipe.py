@@ -466,6 +466,11 @@ def _check(recipe: Recipe, where: str, check_paths: bool) -> None:
         fail("serving.budget.low_seconds", f"must be <= high_seconds ({b.high_seconds})", b.low_seconds)
 
 
+def parse_section(data: Any, cls: Any, key: str, where: str) -> Any:
+    """One recipe section (e.g. the `serving` copy an engine.json carries), validated like a recipe."""
+    return _convert(data, cls, key, where)
+
+
 def parse_recipe(data: Any, where: str = "<recipe>", path: Path | None = None, check_paths: bool = True) -> Recipe:
     """Validate already-loaded YAML data; `where` names the file in error messages."""
     recipe = _convert(data, Recipe, "", where)

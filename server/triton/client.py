@@ -73,7 +73,7 @@ class TritonEngine:
         deadline = time.monotonic() + self.connect_timeout
         while True:
             try:
-                if client.is_server_ready() and client.is_model_ready(self.model):
+                if client.is_server_ready(client_timeout=5) and client.is_model_ready(self.model, client_timeout=5):
                     break
             except Exception:  # noqa: BLE001 - not up yet
                 pass
@@ -81,7 +81,7 @@ class TritonEngine:
                 raise ConnectionError(f"Triton at {self.url}: model {self.model!r} not ready after "
                                       f"{self.connect_timeout:.0f}s (start it with `make triton`)")
             time.sleep(0.2)
-        meta = client.get_model_metadata(self.model, as_json=True)
+        meta = client.get_model_metadata(self.model, as_json=True, client_timeout=10)
         self._exact_ids = any(i["name"] == "input_ids" for i in meta.get("inputs", []))
         client.start_stream(callback=self._on_response)
         self._client = client
