@@ -231,3 +231,27 @@ def test_load_errors_surface_in_the_constructor():
         raise OSError("weights are corrupt")
     with pytest.raises(OSError, match="corrupt"):
         EmbeddedEngine(load=broken)
+
+
+def test_cache_growth_past_the_initial_capacity_keeps_serving_exactly(hf):
+    """Regression: the KV cache grows inside a forward (an inference tensor); later slot swaps and
+    prefix copies, done outside it, used to fail and kill the engine thread."""
+    text = prompts(hf[1], 1)[0]
+    eng = EmbeddedEngine(*hf, max_batch_size=3, max_seq_len=1024, threads=1)
+    try:
+        async def go():
+            # slot 0 ends first (past 256 tokens), while slot 1 still runs: its slot is swapped
+            first = asyncio.ensure_future(collect(eng, Request(text, SamplingParams(temperature=0, max_tokens=240,
+                                                                                    ignore_eos=True))))
+            second = asyncio.ensure_future(collect(eng, Request(text, SamplingParams(temperature=0, max_tokens=300,
+                                                                                     ignore_eos=True))))
+            return await asyncio.gather(first, second)
+        (_, a), (_, b) = asyncio.run(go())
+        assert eng.runner.capacity > 256
+        assert (a.finish_reason, b.finish_reason) == ("length", "length"), (a.error, b.error)
+        ref = hf_greedy(hf, text, 300)
+        assert list(b.token_ids[:len(ref)]) == ref  # hf stops at EOS; the engine ignored it
+        _, again = asyncio.run(collect(eng, Request(text, GREEDY)))  # takes over a grown, parked slot
+        assert again.finish_reason in ("stop", "length") and not again.error and again.cached_tokens > 0
+    finally:
+        eng.shutdown()

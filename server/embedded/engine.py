@@ -258,9 +258,22 @@ class EmbeddedEngine:
                 self._admit()
                 self._decode()
             except Exception as e:  # a failed forward must not take the engine down: fail its requests
-                for s in self._active + self._waiting:
-                    self._finish(s, "error", error=f"{type(e).__name__}: {e}")
+                self._fail_all(f"{type(e).__name__}: {e}")
             self.stats.busy_seconds += time.perf_counter() - t0
+
+    def _fail_all(self, error: str) -> None:
+        """End every request with an error without touching the cache (its state is unknown after a
+        failed step) and forget the kept prefixes, so the next requests start clean."""
+        now = time.monotonic()
+        for seq in self._active + self._waiting:
+            if self._by_id.pop(seq.req.request_id, None) is None:
+                continue
+            self._emit(seq, Final(request_id=seq.req.request_id, finish_reason="error", text="".join(seq.text),
+                                  token_ids=tuple(seq.generated), prompt_tokens=len(seq.prompt), error=error,
+                                  cached_tokens=seq.cached, queue_seconds=(seq.scheduled or now) - seq.submitted,
+                                  seconds=now - seq.submitted))
+        self._active, self._waiting = [], []
+        self._parked.clear()
 
     def _expire(self) -> None:
         now = time.monotonic()

@@ -52,7 +52,9 @@ class SlotRunner:
 
         self._rope = apply_rotary_pos_emb
 
-    # ---- cache management
+    # ---- cache management (under inference mode: caches grown inside a forward are inference tensors,
+    # and in-place updates to them are allowed only there)
+    @torch.inference_mode()
     def ensure_capacity(self, length: int) -> None:
         if length > self.max_seq_len:
             raise ValueError(f"sequence of {length} tokens exceeds the engine's max_seq_len {self.max_seq_len}")
@@ -67,6 +69,7 @@ class SlotRunner:
         self.v = [F.pad(t, (0, 0, 0, pad)) for t in self.v]
         self.capacity = new
 
+    @torch.inference_mode()
     def copy(self, src: int, dst: int, length: int) -> None:
         """Slot dst's first `length` positions := slot src's."""
         if length <= 0 or src == dst:
@@ -74,6 +77,7 @@ class SlotRunner:
         for t in (*self.k, *self.v):
             t[dst, :, :length] = t[src, :, :length]
 
+    @torch.inference_mode()
     def swap(self, a: int, b: int, length: int) -> None:
         """Exchange the first `length` positions of two slots."""
         if length <= 0 or a == b:
