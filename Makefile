@@ -29,7 +29,7 @@ TRITON_HTTP_PORT ?= 8000
 TRITON_METRICS_PORT ?= 8002
 TRITON_URL ?= localhost:$(TRITON_GRPC_PORT)
 
-.PHONY: help setup triton-setup triton kaggle engine sources merge quantize drafter build report check solve test bench clean doctor gpu-smoke trtllm-venv
+.PHONY: help setup triton-setup triton kaggle eval engine sources merge quantize drafter build report check solve test bench clean doctor gpu-smoke trtllm-venv
 
 help:
 	@echo "make setup                 create $(VENV) with the pinned embedded environment"
@@ -39,12 +39,13 @@ help:
 	@echo "make solve MODEL=mix       build if needed, then solve PROBLEMS=$(PROBLEMS) (results table, runs/$(MODEL)/)"
 	@echo "make triton MODEL=mix      serve the embedded engine behind a real Triton server (PyTriton); BACKEND=trtllm: tensorrtllm_backend repo + launch"
 	@echo "make solve BACKEND=triton  solve through a running Triton server (TRITON_URL=$(TRITON_URL))"
+	@echo "make eval MODEL=mix        K samples per problem for each variant (DATA=, K=, VARIANTS=), report + plots + replay"
 	@echo "make kaggle MODEL=mix      Kaggle dataset folder + notebook ($(OUT)/kaggle), then the notebook run offline with the local gateway"
 	@echo "make doctor MODEL=mix      which backends this machine can use, and why not (TRTLLM_PYTHON=...)"
 	@echo "make gpu-smoke             GPU host: build tiny bf16/FP8 engines with TensorRT-LLM and check them"
 	@echo "make trtllm-venv           GPU host: $(TRTLLM_VENV) with the pinned TensorRT-LLM (TRTLLM_INDEX_URL=...)"
 	@echo "make test                  the test suite (what CI runs)"
-	@echo "make bench MODEL=mix       benchmarks (serving in-flight vs sequential vs library, harness overhead, sandbox) -> bench/*.json"
+	@echo "make bench MODEL=mix       every benchmark (sandbox, engine in-flight/sequential/library, harness, Triton, formats) -> bench/summary.md"
 	@echo "make clean MODEL=mix       remove $(OUT)/"
 
 $(SETUP): requirements/embedded.txt requirements/constraints.txt pyproject.toml
@@ -130,6 +131,17 @@ triton: build $(TRITON_SETUP)
 		--grpc-port $(TRITON_GRPC_PORT) --http-port $(TRITON_HTTP_PORT) --metrics-port $(TRITON_METRICS_PORT)
 endif
 
+# k samples per problem for several variants side by side (maj@k, pass@k exact), report + plots; then
+# a replay of competition runs from those samples (budget policies x early-stop rules)
+DATA ?= $(PROBLEMS)
+K ?= 6
+MAX_TOKENS ?= 192
+VARIANTS ?=
+eval: build
+	$(PY) -m server.evaluate --recipe $(RECIPE) --data $(DATA) --k $(K) --max-tokens $(MAX_TOKENS) --seconds 90 \
+		--variants "$(VARIANTS)" --out runs/$(MODEL)/eval
+	$(PY) -m server.replay --eval runs/$(MODEL)/eval/eval.json --out runs/$(MODEL)/eval/replay.json
+
 # the Kaggle dataset folder (wheels, engine, problems, notebook); KAGGLE_WHEELS=project ships only our wheel
 KAGGLE_WHEELS ?= runtime
 kaggle: build
@@ -161,6 +173,8 @@ bench: build $(TRITON_SETUP)
 	$(PY) -m sandbox.bench --out bench/sandbox.json
 	$(PY) -m server.bench --recipe $(RECIPE) --out bench/serving.json
 	PYTHONPATH=$(CURDIR) $(TRITON_PY) -m server.triton.bench --engine $(OUT)/build/embedded --out bench/triton.json
+	$(PY) -m server.bench_formats --recipe $(RECIPE) --out bench/formats.json
+	@$(PY) -m server.bench_report --dir bench
 
 clean:
 	rm -rf $(OUT)

@@ -130,7 +130,8 @@ def markdown(report: dict[str, Any], files: list[str]) -> str:
     k = report["k"]
     names = list(report["variants"])
     s = {n: report["variants"][n]["summary"] for n in names}
-    lines = [f"# Evaluation: {report['recipe']} on {report['data']} ({report['problems']} problems, k = {k})", "",
+    lines = [f"# Evaluation: {report['recipe']} on {report['data']} ({report['problems']} problems, k = {k}, "
+             f"at most {report.get('max_tokens')} tokens per sample)", "",
              "| metric | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     for j in sorted({1, (k + 1) // 2, k}):
         lines.append(f"| maj@{j} | " + " | ".join(f"{s[n]['maj_at_k'][str(j)]:.3f}" for n in names) + " |")
@@ -153,6 +154,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--variants", default="", help="comma list (default: every source, merged, each quantized format)")
     ap.add_argument("--seconds", type=float, default=120.0, help="deadline per problem and variant")
+    ap.add_argument("--max-tokens", type=int, default=None, help="cap each sample's tokens (default: the recipe's)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     import os
@@ -169,6 +171,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     except (RecipeError, ValueError, FileNotFoundError) as e:
         print(f"eval: {e}", file=sys.stderr)
         return 2
+    serving = recipe.serving
+    if args.max_tokens:
+        import dataclasses
+
+        serving = dataclasses.replace(serving, sampling=dataclasses.replace(serving.sampling, max_tokens=args.max_tokens))
     dirs = variant_dirs(recipe)
     names = [v for v in args.variants.split(",") if v] or list(dirs)
     missing = [n for n in names if n not in dirs or not (dirs[n] / "config.json").is_file()]
@@ -180,6 +187,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     t = recipe.serving.tool
     report: dict[str, Any] = {"recipe": str(args.recipe), "data": str(args.data), "k": args.k,
+                              "max_tokens": serving.sampling.max_tokens, "seconds_per_problem": args.seconds,
                               "problems": len(problems), "date": time.strftime("%Y-%m-%d"),
                               "machine": f"{platform.machine()}, {os.cpu_count()} cores", "variants": {}}
     with SandboxPool(SandboxConfig(limits=Limits(wall_seconds=t.wall_seconds, memory_mb=t.memory_mb))) as pool:
@@ -188,7 +196,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             engine = EmbeddedEngine.from_dir(dirs[name])
             try:
                 t0 = time.monotonic()
-                results = asyncio.run(_run_variant(engine, pool, recipe.serving, problems, args.k, args.seconds, log))
+                results = asyncio.run(_run_variant(engine, pool, serving, problems, args.k, args.seconds, log))
             finally:
                 engine.shutdown()
             report["variants"][name] = {"dir": str(dirs[name]), "results": results, "summary": summarize(results, args.k),

@@ -83,7 +83,7 @@ def replay(problems: list[dict[str, Any]], spec: Any, rule: Rule, runs: int, see
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m server.replay", description=__doc__.splitlines()[0])
     ap.add_argument("--eval", required=True, type=Path, help="eval.json from `make eval`")
-    ap.add_argument("--variant", default=None, help="default: the first in the file")
+    ap.add_argument("--variant", default=None, help="default: the variant the recipe serves (build.quantization)")
     ap.add_argument("--recipe", default=None, help="budget defaults from this recipe (default: the eval's)")
     ap.add_argument("--rules", default="4of5+10,3of4+8,all")
     ap.add_argument("--policies", default="aimo2,aimo3,fixed")
@@ -97,9 +97,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     from trtbuild.recipe import load_recipe
 
     data = json.loads(args.eval.read_text())
-    variant = args.variant or next(iter(data["variants"]))
+    recipe = load_recipe(args.recipe or data["recipe"], check_paths=False)
+    served = recipe.build.quantization if recipe.build.quantization != "bf16" else "merged"
+    variant = args.variant or (served if served in data["variants"] else next(iter(data["variants"])))
     problems = [r for r in data["variants"][variant]["results"] if r["truth"] is not None]
-    base = load_recipe(args.recipe or data["recipe"], check_paths=False).serving.budget
+    base = recipe.serving.budget
     rows = []
     for policy in args.policies.split(","):
         spec = dataclasses.replace(base, policy=policy)
