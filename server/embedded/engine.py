@@ -20,14 +20,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Optional, Sequence
+from typing import Any, AsyncIterator, Callable, Optional
 
 import torch
 
 from server.embedded.runner import SlotRunner
 from server.embedded.sampler import make_generator, sample
 from server.protocol import Delta, Event, Final, Request, SamplingParams, stream_events
-from server.textstream import IncrementalDetokenizer, StopMatcher
+from server.textstream import IncrementalDetokenizer, StopMatcher, TokenizerFront, emit, flush_text
 
 
 @dataclass
@@ -72,7 +72,7 @@ class EngineStats:
         return max(0.0, self.busy_seconds - self.forward_seconds - self.sample_seconds)
 
 
-class EmbeddedEngine:
+class EmbeddedEngine(TokenizerFront):
     name = "embedded"
 
     def __init__(self, model: Any = None, tokenizer: Any = None, max_batch_size: int = 16, max_seq_len: int = 4096,
@@ -173,18 +173,7 @@ class EmbeddedEngine:
             ids.add(tokenizer.eos_token_id)
         return frozenset(ids)
 
-    # ---- the protocol
-    def tokenize(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    def detokenize(self, token_ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
-
-    def chat_prompt(self, problem: str, system_prompt: Optional[str] = None) -> str:
-        from trtbuild.hf import render_prompt
-
-        return render_prompt(self.tokenizer, problem, system_prompt)
-
+    # ---- the protocol (tokenize, detokenize, chat_prompt: TokenizerFront)
     async def generate(self, request: Request) -> AsyncIterator[Event]:
         if self._closed:
             raise RuntimeError("engine is closed")
@@ -213,10 +202,7 @@ class EmbeddedEngine:
 
     # ---- the scheduler thread
     def _emit(self, seq: _Seq, ev: Event) -> None:
-        try:
-            seq.loop.call_soon_threadsafe(seq.out.put_nowait, ev)
-        except RuntimeError:
-            pass  # the caller's loop is gone: nobody is listening
+        emit(seq.loop, seq.out, ev)
 
     def _loop(self) -> None:
         while True:
@@ -381,7 +367,7 @@ class EmbeddedEngine:
         if self._by_id.pop(seq.req.request_id, None) is None:
             return  # already final
         if stop_string is None and reason != "error":
-            tail = seq.stopper.feed(seq.detok.flush())[0] + seq.stopper.flush()
+            tail = flush_text(seq.detok, seq.stopper)
             if tail:
                 seq.text.append(tail)
                 self._emit(seq, Delta((), tail))

@@ -19,14 +19,27 @@ import asyncio
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Optional, Sequence
+from typing import Any, AsyncIterator, Optional
 
 from server.protocol import Delta, Event, Final, Request, SamplingParams, stream_events
-from server.textstream import IncrementalDetokenizer, StopMatcher
+from server.textstream import IncrementalDetokenizer, StopMatcher, TokenizerFront, emit, flush_text
 from server.triton.interface import INPUTS, KEY_PARAMETER, MODEL, STOP_PARAMETER
 
 CANCEL_GRACE_SECONDS = 5.0
 FINISH_REASONS = ("stop", "length", "cancelled", "timeout", "error")
+
+
+def infer_inputs(values: dict[str, Any]) -> list:
+    """tritonclient inputs from numpy arrays named as the interface's inputs (their Triton types from it)."""
+    import tritonclient.grpc as grpcclient
+
+    types = {f.name: f.triton_type for f in INPUTS}
+    out = []
+    for name, arr in values.items():
+        x = grpcclient.InferInput(name, list(arr.shape), types[name])
+        x.set_data_from_numpy(arr)
+        out.append(x)
+    return out
 
 
 @dataclass
@@ -46,7 +59,7 @@ class _Pending:
     done: bool = False
 
 
-class TritonEngine:
+class TritonEngine(TokenizerFront):
     name = "triton"
 
     def __init__(self, url: str, tokenizer_dir: str, model: str = MODEL, connect_timeout: float = 10.0):
@@ -146,23 +159,10 @@ class TritonEngine:
             if head in FINISH_REASONS:
                 self._finish(p, p.end_reason if head == "cancelled" and p.stop_sent else head, error=err)
 
-    # ---- the protocol
-    def tokenize(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    def detokenize(self, token_ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
-
-    def chat_prompt(self, problem: str, system_prompt: Optional[str] = None) -> str:
-        msgs = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + \
-               [{"role": "user", "content": problem}]
-        return self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-
+    # ---- the protocol (tokenize, detokenize, chat_prompt: TokenizerFront)
     def _inputs(self, prompt: list[int], p: SamplingParams) -> list:
         import numpy as np
-        import tritonclient.grpc as grpcclient
 
-        types = {f.name: f for f in INPUTS}
         values: dict[str, Any] = {
             "text_input": np.array([self.tokenizer.decode(prompt, skip_special_tokens=False).encode()], dtype=object),
             "max_tokens": np.array([p.max_tokens], dtype=np.int32),
@@ -177,12 +177,7 @@ class TritonEngine:
             values["input_ids"] = np.array(prompt, dtype=np.int32)
             if p.top_logprobs:
                 values["top_logprobs"] = np.array([p.top_logprobs], dtype=np.int32)
-        out = []
-        for name, arr in values.items():
-            x = grpcclient.InferInput(name, list(arr.shape), types[name].triton_type)
-            x.set_data_from_numpy(arr)
-            out.append(x)
-        return out
+        return infer_inputs(values)
 
     async def generate(self, request: Request) -> AsyncIterator[Event]:
         if self._closed:
@@ -253,14 +248,8 @@ class TritonEngine:
         if self._client is None:
             return
         import numpy as np
-        import tritonclient.grpc as grpcclient
 
-        inputs = []
-        for name, arr, t in (("text_input", np.array([b""], dtype=object), "BYTES"),
-                             ("max_tokens", np.array([1], dtype=np.int32), "INT32")):
-            x = grpcclient.InferInput(name, [1], t)
-            x.set_data_from_numpy(arr)
-            inputs.append(x)
+        inputs = infer_inputs({"text_input": np.array([b""], dtype=object), "max_tokens": np.array([1], dtype=np.int32)})
         try:
             self._client.async_stream_infer(self.model, inputs, request_id=f"{p.req.request_id}/stop",
                                             parameters={KEY_PARAMETER: p.req.request_id, STOP_PARAMETER: True})
@@ -281,10 +270,7 @@ class TritonEngine:
                         self._finish(p, p.end_reason)
 
     def _emit(self, p: _Pending, ev: Event) -> None:
-        try:
-            p.loop.call_soon_threadsafe(p.out.put_nowait, ev)
-        except RuntimeError:
-            pass
+        emit(p.loop, p.out, ev)
 
     def _finish(self, p: _Pending, reason: str, stop_string: Optional[str] = None, overhang: str = "",
                 error: str = "") -> None:
@@ -293,7 +279,7 @@ class TritonEngine:
         p.done = True
         self._pending.pop(p.req.request_id, None)
         if stop_string is None and reason != "error":
-            tail = p.stopper.feed(p.detok.flush())[0] + p.stopper.flush()
+            tail = flush_text(p.detok, p.stopper)
             if tail:
                 p.text.append(tail)
                 self._emit(p, Delta((), tail))

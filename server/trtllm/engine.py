@@ -24,10 +24,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Optional, Sequence
+from typing import Any, AsyncIterator, Optional
 
 from server.protocol import Delta, Event, Final, Request, SamplingParams, stream_events
-from server.textstream import IncrementalDetokenizer, StopMatcher
+from server.textstream import IncrementalDetokenizer, StopMatcher, TokenizerFront, emit, flush_text
 
 POLL = datetime.timedelta(milliseconds=20)
 CANCEL_GRACE_SECONDS = 5.0  # a cancelled request the executor never finalises is finalised here
@@ -91,7 +91,7 @@ class _Req:
     done: bool = False
 
 
-class TrtllmEngine:
+class TrtllmEngine(TokenizerFront):
     name = "trtllm"
 
     def __init__(self, executor: Any, tle: Any, tokenizer: Any, spec: dict[str, Any], tokens_per_block: int = 32):
@@ -135,18 +135,7 @@ class TrtllmEngine:
             raise SystemExit(0)
         return cls(executor, tle, tokenizer, spec, int(plugin.get("tokens_per_block", 32)))
 
-    # ---- the protocol
-    def tokenize(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    def detokenize(self, token_ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
-
-    def chat_prompt(self, problem: str, system_prompt: Optional[str] = None) -> str:
-        msgs = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + \
-               [{"role": "user", "content": problem}]
-        return self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-
+    # ---- the protocol (tokenize, detokenize, chat_prompt: TokenizerFront)
     def _request(self, prompt: list[int], p: SamplingParams) -> Any:
         tle = self.tle
         return tle.Request(
@@ -204,10 +193,7 @@ class TrtllmEngine:
 
     # ---- the poller thread
     def _emit(self, r: _Req, ev: Event) -> None:
-        try:
-            r.loop.call_soon_threadsafe(r.out.put_nowait, ev)
-        except RuntimeError:
-            pass  # the caller's loop is gone
+        emit(r.loop, r.out, ev)
 
     def _poll(self) -> None:
         while not self._closed:
@@ -274,7 +260,7 @@ class TrtllmEngine:
         self._by_exec.pop(r.exec_id, None)
         self._by_id.pop(r.req.request_id, None)
         if stop_string is None and reason != "error":
-            tail = r.stopper.feed(r.detok.flush())[0] + r.stopper.flush()
+            tail = flush_text(r.detok, r.stopper)
             if tail:
                 r.text.append(tail)
                 self._emit(r, Delta((), tail))
