@@ -17,7 +17,7 @@ import yaml
 from merge.config import effective_weights, mergekit_config
 from trtbuild import manifest as mf
 from trtbuild import sources
-from trtbuild.recipe import Recipe
+from trtbuild.core.recipe import Recipe
 
 VERSION = 1  # bump when the output of this stage changes for the same inputs
 STAGE = "merge"
@@ -128,7 +128,8 @@ def run(recipe: Recipe) -> Path:
 
 
 def _price_against_sources(recipe: Recipe, merged_dir: Path, dirs: dict[str, Path]) -> dict[str, Any]:
-    from trtbuild.hf import load_tokenizer, use_all_cores
+    from trtbuild.core.chat import load_tokenizer
+    from server.embedded.loader import use_all_cores
     from trtbuild.quality import price, quality_prompts, record_replies
     from server.embedded.loader import load_model
 

@@ -34,7 +34,7 @@ def log(msg: str) -> None:
 
 
 def bench_prompts(tokenizer: Any, n: int) -> list[list[int]]:
-    from trtbuild.hf import encode, render_prompt
+    from trtbuild.core.chat import encode, render_prompt
 
     return [encode(tokenizer, render_prompt(tokenizer, f"What is the sum of the integers from {i} to {10 * i + 7}?"))
             for i in range(1, n + 1)]
@@ -80,13 +80,13 @@ def library_throughput(model: Any, tokenizer: Any, prompts: list[list[int]], tok
 def harness_overhead(recipe: Any, engine: Any, problems_file: str, limit: int) -> dict[str, Any]:
     from server.budget import TimeBudget
     from server.run import read_problems, run_problems
-    from server.solve import make_sandbox, make_solver
+    from server.assembly import build_solver, sandbox_for
 
     problems = read_problems(problems_file)[:limit]
-    sandbox = make_sandbox(recipe)
+    sandbox = sandbox_for(recipe.serving.tool)
     try:
-        solver = make_solver(recipe, engine, sandbox)
-        budget = TimeBudget.from_spec(recipe.serving.budget, len(problems))
+        solver = build_solver(recipe.serving, engine, sandbox)
+        budget = TimeBudget(recipe.serving.budget, len(problems))
         s = engine.stats
         f0, b0, k0, s0 = s.forward_seconds, s.bookkeeping_seconds, s.decode_tokens, s.sample_seconds
         report = asyncio.run(run_problems(solver, problems, budget, None, lambda: s.busy_seconds, progress=log))
@@ -124,11 +124,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from server.embedded.engine import EmbeddedEngine
-    from server.solve import open_engine
-    from trtbuild.recipe import load_recipe
+    from server.backends import open_for_recipe
+    from trtbuild.core.recipe import load_recipe
 
     recipe = load_recipe(args.recipe)
-    engine: EmbeddedEngine = open_engine(recipe, "embedded")
+    engine: EmbeddedEngine = open_for_recipe(recipe, "embedded")
     levels = [int(c) for c in args.concurrency.split(",")]
     prompts = bench_prompts(engine.tokenizer, max(levels))
     engine_throughput(engine, prompts[:2], 8, True)  # warm-up

@@ -39,7 +39,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     from server.embedded.engine import EmbeddedEngine
-    from trtbuild.recipe import load_recipe
+    from trtbuild.core.recipe import load_recipe
 
     recipe = load_recipe(args.recipe)
     dirs = {"bf16": recipe.out_dir / "merge" / "model",

@@ -11,39 +11,28 @@ and run replays simulate a 5-hour run in milliseconds.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Optional
+
+from trtbuild.core.recipe import BudgetSpec
 
 Clock = Callable[[], float]
 
 
-@dataclass
 class TimeBudget:
-    policy: str
-    problems: int
-    total_seconds: float
-    base_seconds: float = 350.0
-    max_extra_seconds: float = 210.0
-    low_seconds: float = 300.0
-    high_seconds: float = 900.0
-    clock: Clock = time.monotonic
-    started: float = field(default=0.0)
-    done: int = 0
-    buffer: float = 0.0
-    _current: Optional[tuple[float, float]] = None  # (start, allowance) of the open problem
+    """The run's clock for one `serving.budget` section (`BudgetSpec`) over `problems` problems."""
 
-    def __post_init__(self) -> None:
-        if self.policy not in ("aimo2", "aimo3", "fixed"):
-            raise ValueError(f"budget policy must be aimo2, aimo3 or fixed (got {self.policy!r})")
-        if self.problems < 1:
-            raise ValueError(f"budget: problems must be >= 1 (got {self.problems})")
-        self.started = self.clock()
-
-    @classmethod
-    def from_spec(cls, spec, problems: int, clock: Clock = time.monotonic) -> "TimeBudget":
-        total = spec.total_seconds if spec.total_seconds is not None else problems * spec.base_seconds
-        return cls(spec.policy, problems, total, spec.base_seconds, spec.max_extra_seconds,
-                   spec.low_seconds, spec.high_seconds, clock)
+    def __init__(self, spec: BudgetSpec, problems: int, clock: Clock = time.monotonic):
+        if problems < 1:
+            raise ValueError(f"budget: problems must be >= 1 (got {problems})")
+        self.spec, self.problems, self.clock = spec, problems, clock
+        self.policy = spec.policy
+        self.total_seconds = spec.total_seconds if spec.total_seconds is not None else problems * spec.base_seconds
+        self.base_seconds, self.max_extra_seconds = spec.base_seconds, spec.max_extra_seconds
+        self.low_seconds, self.high_seconds = spec.low_seconds, spec.high_seconds
+        self.started = clock()
+        self.done = 0
+        self.buffer = 0.0
+        self._current: Optional[tuple[float, float]] = None  # (start, allowance) of the open problem
 
     def time_left(self) -> float:
         return max(0.0, self.total_seconds - (self.clock() - self.started))

@@ -27,12 +27,11 @@ from server.metrics import accuracy_at_budget, maj_at_k, pass_at_k
 
 def variant_dirs(recipe: Any) -> dict[str, Path]:
     """Every model the recipe builds that the embedded engine can serve, by name."""
-    from trtbuild.sources import source_dir
-
-    out = {name: source_dir(recipe, name) for name in recipe.sources}
-    out["merged"] = recipe.out_dir / "merge" / "model"
+    layout = recipe.layout
+    out = {name: recipe.source_model(name) for name in recipe.sources}
+    out["merged"] = layout.merged
     for fmt in recipe.quantize.formats:
-        out[fmt] = recipe.out_dir / "quantize" / fmt / "hf"
+        out[fmt] = layout.quantized(fmt)
     return out
 
 
@@ -46,14 +45,9 @@ def sample_record(t: Any, t0: float) -> dict[str, Any]:
 
 async def _run_variant(engine: Any, sandbox: Any, serving: Any, problems: list, k: int, seconds: float,
                        log: Any) -> list[dict[str, Any]]:
-    from server.solve import make_solver_for
-    from server.solver import Solver, SolverConfig
+    from server.assembly import build_solver
 
-    base = make_solver_for(serving, engine, sandbox, k)
-    cfg = SolverConfig(samples=k, first=k, agree=k, enough=k, vote=base.config.vote,
-                       modulus=base.config.modulus, default_answer=base.config.default_answer,
-                       system_prompt=base.config.system_prompt)
-    solver = Solver(engine, base.client, cfg)
+    solver = build_solver(serving, engine, sandbox, k, all_samples=True)
     out = []
     for i, p in enumerate(problems, start=1):
         t0 = time.monotonic()
@@ -160,10 +154,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     import os
     import platform
 
-    from sandbox import Limits, SandboxConfig, SandboxPool
+    from server.assembly import sandbox_for
     from server.embedded.engine import EmbeddedEngine
     from server.run import log, read_problems
-    from trtbuild.recipe import RecipeError, load_recipe
+    from trtbuild.core.recipe import RecipeError, load_recipe
 
     try:
         recipe = load_recipe(args.recipe)
@@ -190,7 +184,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                               "max_tokens": serving.sampling.max_tokens, "seconds_per_problem": args.seconds,
                               "problems": len(problems), "date": time.strftime("%Y-%m-%d"),
                               "machine": f"{platform.machine()}, {os.cpu_count()} cores", "variants": {}}
-    with SandboxPool(SandboxConfig(limits=Limits(wall_seconds=t.wall_seconds, memory_mb=t.memory_mb))) as pool:
+    with sandbox_for(t) as pool:
         for name in names:
             log(f"[eval] {name}: {dirs[name]}")
             engine = EmbeddedEngine.from_dir(dirs[name])

@@ -5,17 +5,14 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections import Counter
 from typing import Optional, Sequence
+
+from server.solver import tally
 
 
 def majority(answers: Sequence[Optional[int]]) -> Optional[int]:
-    """The solver's vote: most common integer answer; a tie goes to the answer seen first."""
-    counts = Counter(a for a in answers if a is not None)
-    if not counts:
-        return None
-    best = max(counts.values())
-    return next(a for a in answers if a is not None and counts[a] == best)
+    """The solver's majority vote (`server.solver.tally`) over answers in the order they ended."""
+    return tally(answers)[0]
 
 
 def maj_at_k(answers: Sequence[Optional[int]], truth: int, k: int) -> float:

@@ -24,35 +24,45 @@ from typing import Any, Optional
 
 from server.budget import TimeBudget
 from server.metrics import majority
+from server.solver import early_stop
+from trtbuild.core.recipe import SolverSpec
+
+
+NEVER = 10**6  # an early-stop count no problem reaches
 
 
 @dataclass(frozen=True)
 class Rule:
+    """A named early-stop rule, as the solver's own `SolverSpec` fields."""
+
     name: str
-    first: int  # stop when `agree` of the first `first` finished agree ...
-    agree: int
-    enough: int  # ... or when this many have finished
+    spec: SolverSpec
 
 
 def parse_rule(text: str) -> Rule:
     """'4of5+10': 4 of the first 5 agree, or 10 finished; 'all': wait for every sample."""
     if text == "all":
-        return Rule("all", 10**6, 10**6, 10**6)
+        return Rule("all", SolverSpec(samples=NEVER, early_stop_first=NEVER, early_stop_agree=NEVER,
+                                      enough_finished=NEVER))
     head, _, enough = text.partition("+")
     agree, _, first = head.partition("of")
-    return Rule(text, int(first), int(agree), int(enough) if enough else 10**6)
+    try:
+        spec = SolverSpec(samples=NEVER, early_stop_first=int(first), early_stop_agree=int(agree),
+                          enough_finished=int(enough) if enough else NEVER)
+    except ValueError:
+        raise ValueError(f"--rules: {text!r} is not 'AofB', 'AofB+N' or 'all'") from None
+    return Rule(text, spec)
 
 
 def play_problem(samples: list[tuple[Optional[int], float]], rule: Rule, allowance: float) -> tuple[Optional[int], float]:
-    """(answer, seconds used) for one problem under `rule` and `allowance`."""
+    """(answer, seconds used) for one problem under `rule` and `allowance`: the solver's own
+    early-stop rule and vote, on the recorded finish times."""
     done: list[Optional[int]] = []
     for answer, t in sorted(samples, key=lambda s: s[1]):
         if t > allowance:
             return majority(done), allowance
         done.append(answer)
-        first = done[: rule.first]
-        agreed = len(done) <= rule.first and max((first.count(a) for a in set(first) if a is not None), default=0) >= rule.agree
-        if agreed or len(done) >= rule.enough:
+        if early_stop(done, len(samples), rule.spec) not in (None, "all"):
             return majority(done), t
     return majority(done), max((t for _, t in samples), default=0.0)
 
@@ -64,7 +74,7 @@ def replay(problems: list[dict[str, Any]], spec: Any, rule: Rule, runs: int, see
         order = problems[:]
         rng.shuffle(order)
         now = [0.0]
-        budget = TimeBudget.from_spec(spec, len(order), clock=lambda: now[0])
+        budget = TimeBudget(spec, len(order), clock=lambda: now[0])
         score = 0
         for p in order:
             allowance = budget.allowance()
@@ -94,7 +104,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = ap.parse_args(argv)
     import dataclasses
 
-    from trtbuild.recipe import load_recipe
+    from trtbuild.core.recipe import load_recipe
 
     data = json.loads(args.eval.read_text())
     recipe = load_recipe(args.recipe or data["recipe"], check_paths=False)

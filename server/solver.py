@@ -18,32 +18,16 @@ import asyncio
 import time
 import zlib
 from collections import Counter
-from dataclasses import dataclass, field
-from typing import Optional
+from dataclasses import dataclass, field, replace
+from typing import Optional, Sequence
 
 from server.protocol import Engine
 from server.tir import SampleTrace, TIRClient
+from trtbuild.core.recipe import SolverSpec
 
 FINISHED = ("eos", "length", "max_tokens")
 CANCEL_GRACE = 30.0  # seconds a cancelled sample may take to report its end
 MIN_ENTROPY = 1e-3  # a sample with ~0 entropy gets weight 1000, not infinity
-
-
-@dataclass(frozen=True)
-class SolverConfig:
-    samples: int = 12
-    first: int = 5
-    agree: int = 4
-    enough: int = 10
-    vote: str = "majority"
-    modulus: Optional[int] = None
-    default_answer: int = 0
-    system_prompt: Optional[str] = None
-
-    @classmethod
-    def from_spec(cls, spec, system_prompt: Optional[str] = None) -> "SolverConfig":
-        return cls(spec.samples, spec.early_stop_first, spec.early_stop_agree, spec.enough_finished, spec.vote,
-                   spec.modulus, spec.default_answer, system_prompt)
 
 
 @dataclass
@@ -78,49 +62,66 @@ class SolveResult:
         return sum(t.tokens for t in self.traces)
 
 
+def tally(answers: Sequence[Optional[int]], weights: Optional[Sequence[float]] = None
+          ) -> tuple[Optional[int], dict[int, float]]:
+    """(winner, total weight per answer) over answers in the order they ended; None answers cast no
+    vote, each other answer weighs 1 unless `weights` says otherwise; a tie goes to the answer whose
+    first vote came first. The one vote rule: the solver, the metrics and the replay all use it."""
+    totals: dict[int, float] = {}
+    first_seen: dict[int, int] = {}
+    for i, a in enumerate(answers):
+        if a is None:
+            continue
+        totals[a] = totals.get(a, 0.0) + (1.0 if weights is None else weights[i])
+        first_seen.setdefault(a, i)
+    if not totals:
+        return None, {}
+    return min(totals, key=lambda a: (-totals[a], first_seen[a])), totals
+
+
+def entropy_weight(trace: SampleTrace) -> float:
+    """1 / mean token entropy (a sample without logprobs counts as entropy 1)."""
+    e = trace.mean_entropy
+    return 1.0 / max(e if e is not None else 1.0, MIN_ENTROPY)
+
+
 def vote(traces: list[SampleTrace], method: str = "majority") -> tuple[Optional[int], dict[int, float]]:
     """(winner, weight per answer); traces in the order they ended (the tie rule uses it)."""
-    weights: dict[int, float] = {}
-    first_seen: dict[int, int] = {}
-    for i, t in enumerate(traces):
-        if t.answer is None:
-            continue
-        if method == "entropy":
-            e = t.mean_entropy
-            w = 1.0 / max(e if e is not None else 1.0, MIN_ENTROPY)
-        else:
-            w = 1.0
-        weights[t.answer] = weights.get(t.answer, 0.0) + w
-        first_seen.setdefault(t.answer, i)
-    if not weights:
-        return None, {}
-    winner = min(weights, key=lambda a: (-weights[a], first_seen[a]))
-    return winner, weights
+    weights = [entropy_weight(t) for t in traces] if method == "entropy" else None
+    return tally([t.answer for t in traces], weights)
 
 
-def early_stop(finished_answers: list[Optional[int]], n_samples: int, cfg: SolverConfig) -> Optional[str]:
+def early_stop(finished_answers: list[Optional[int]], n_samples: int, cfg: SolverSpec) -> Optional[str]:
     """The rule that ends the problem now, given answers of finished samples in finish order."""
     n = len(finished_answers)
-    if n <= cfg.first:
+    if n <= cfg.early_stop_first:
         counts = Counter(a for a in finished_answers if a is not None)
-        if counts and counts.most_common(1)[0][1] >= cfg.agree:
+        if counts and counts.most_common(1)[0][1] >= cfg.early_stop_agree:
             return "agree"
-    if n >= cfg.enough:
+    if n >= cfg.enough_finished:
         return "enough"
     if n >= n_samples:
         return "all"
     return None
 
 
+def with_samples(spec: SolverSpec, samples: int) -> SolverSpec:
+    """`spec` for another sample count (the early-stop counts capped by it)."""
+    return replace(spec, samples=samples, early_stop_first=min(spec.early_stop_first, samples),
+                   early_stop_agree=min(spec.early_stop_agree, samples),
+                   enough_finished=min(spec.enough_finished, samples))
+
+
 class Solver:
-    def __init__(self, engine: Engine, client: TIRClient, config: SolverConfig = SolverConfig()):
-        self.engine, self.client, self.config = engine, client, config
+    def __init__(self, engine: Engine, client: TIRClient, config: SolverSpec = SolverSpec(),
+                 system_prompt: Optional[str] = None):
+        self.engine, self.client, self.config, self.system_prompt = engine, client, config, system_prompt
 
     async def solve(self, problem_id: str, problem: str, deadline: Optional[float] = None,
                     expected: Optional[int] = None) -> SolveResult:
         cfg = self.config
         t0 = time.monotonic()
-        prompt = self.engine.tokenize(self.engine.chat_prompt(problem, cfg.system_prompt))
+        prompt = self.engine.tokenize(self.engine.chat_prompt(problem, self.system_prompt))
         base_seed = zlib.crc32(f"{problem_id}\n{problem}".encode()) % 100_000
         cancel = asyncio.Event()
         tasks = {asyncio.ensure_future(self.client.run(prompt, i, base_seed + i, deadline, cancel, cfg.modulus)): i

@@ -1,11 +1,7 @@
-"""Token ids -> text, incrementally, and stop strings matched on that text.
-
-Shared by every backend that produces token ids, so that "stop" means the same everywhere.
-"""
+"""Token ids -> text, incrementally, and stop strings matched on that text (used by `server.stream`)."""
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any, Optional, Sequence
 
 
@@ -86,35 +82,3 @@ class StopMatcher:
                     longest = n
                     break
         return longest
-
-
-def flush_text(detok: IncrementalDetokenizer, stopper: StopMatcher) -> str:
-    """The text still held back at the end of a request that matched no stop string."""
-    return stopper.feed(detok.flush())[0] + stopper.flush()
-
-
-def emit(loop: asyncio.AbstractEventLoop, out: asyncio.Queue, event: Any) -> None:
-    """Hand an event from an engine's own thread to the caller's queue (a closed loop: nobody listens)."""
-    try:
-        loop.call_soon_threadsafe(out.put_nowait, event)
-    except RuntimeError:
-        pass
-
-
-class TokenizerFront:
-    """The engine protocol's text methods over an HF tokenizer (`self.tokenizer`), the same for every
-    backend: prompts are chat-formatted text with their special tokens, ids carry none added."""
-
-    tokenizer: Any
-
-    def tokenize(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    def detokenize(self, token_ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
-
-    def chat_prompt(self, problem: str, system_prompt: Optional[str] = None) -> str:
-        from trtbuild.tir_data import chat_messages
-
-        return self.tokenizer.apply_chat_template(chat_messages(problem, system_prompt), tokenize=False,
-                                                  add_generation_prompt=True)

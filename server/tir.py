@@ -18,19 +18,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from server.answers import last_boxed, normalize
+from trtbuild.core.chat import output_block
+from trtbuild.core.recipe import CodeTags
 from server.protocol import Delta, Engine, Final, Request, SamplingParams
-
-
-@dataclass(frozen=True)
-class Tags:
-    code_start: str = "```python\n"
-    code_end: str = "```\n"
-    output_start: str = "```output\n"
-    output_end: str = "```\n"
-
-    @classmethod
-    def from_spec(cls, spec: Any) -> "Tags":
-        return cls(spec.code_start, spec.code_end, spec.output_start, spec.output_end)
 
 
 @dataclass
@@ -89,7 +79,7 @@ def topk_entropy(top: tuple[tuple[int, float], ...]) -> float:
     return -sum(p / z * math.log(p / z) for p in ps if p > 0) if z > 0 else 0.0
 
 
-def open_code(turn_text: str, tags: Tags) -> Optional[str]:
+def open_code(turn_text: str, tags: CodeTags) -> Optional[str]:
     """The code of the block this turn closed, if its last opening tag was a code block.
 
     `turn_text` ends with the code-end tag. The block is the text after the last code-start tag;
@@ -104,7 +94,7 @@ def open_code(turn_text: str, tags: Tags) -> Optional[str]:
 
 
 class TIRClient:
-    def __init__(self, engine: Engine, sandbox: Any, tags: Tags = Tags(), sampling: SamplingParams = SamplingParams(),
+    def __init__(self, engine: Engine, sandbox: Any, tags: CodeTags = CodeTags(), sampling: SamplingParams = SamplingParams(),
                  max_code_calls: int = 4, output_chars: int = 200, tool_seconds: float = 10.0,
                  stateful: bool = False, top_logprobs: int = 0, record_tokens: bool = False):
         self.engine, self.sandbox, self.tags = engine, sandbox, tags
@@ -113,8 +103,7 @@ class TIRClient:
         self.tool_seconds, self.stateful, self.top_logprobs = tool_seconds, stateful, top_logprobs
 
     def output_block(self, feedback: str) -> str:
-        t = self.tags
-        return f"{t.output_start}{feedback if feedback.endswith(chr(10)) or not feedback else feedback + chr(10)}{t.output_end}"
+        return output_block(self.tags, feedback)
 
     async def run(self, prompt_ids: list[int], sample: int, seed: int, deadline: Optional[float] = None,
                   cancelled: Optional[asyncio.Event] = None, modulus: Optional[int] = None) -> SampleTrace:

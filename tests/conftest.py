@@ -13,7 +13,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     """Random 2-layer checkpoints: a CoT/TIR pair per architecture, sharing one tokenizer."""
-    from tiny import make_model
+    from trtbuild.tiny_model import make_model
 
     root = tmp_path_factory.mktemp("tiny")
     llama_cot = make_model(root / "llama-cot", "llama", seed=1)

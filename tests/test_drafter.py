@@ -22,7 +22,7 @@ CONVERTER_NAMES = {"lm_head.0.linear.weight", "lm_head.0.linear.bias", "lm_head.
 @pytest.fixture(scope="module")
 def target(tiny_models):
     from server.embedded.loader import load_model
-    from trtbuild.hf import load_tokenizer
+    from trtbuild.core.chat import load_tokenizer
 
     return load_model(tiny_models["llama-tir"]), load_tokenizer(tiny_models["llama-tir"])
 
@@ -30,7 +30,7 @@ def target(tiny_models):
 def greedy_sequences(model, tok, n=3, new=24) -> list[Sequence]:
     out = []
     for i, text in enumerate(["What is 6 times 7?", "Sum of 1 to 10?", "How many primes below 20?"][:n]):
-        from trtbuild.hf import encode, render_prompt
+        from trtbuild.core.chat import encode, render_prompt
 
         prompt = encode(tok, render_prompt(tok, text))
         ids = list(prompt)
@@ -136,7 +136,7 @@ def test_acceptance_is_verified_by_the_real_target(target, device):
 
 
 def test_training_raises_heldout_top1(target):
-    from trtbuild.recipe import DrafterTrainSpec
+    from trtbuild.core.recipe import DrafterTrainSpec
 
     model, tok = target
     seqs = greedy_sequences(model, tok, n=3, new=40)
@@ -149,10 +149,10 @@ def test_training_raises_heldout_top1(target):
 
 def test_drafter_stage_in_make_engine(tiny_models, tmp_path, capfd):
     """`engine` with drafter.kind redrafter: trained on the target's own TIR generations, measured, attached."""
-    from tiny import write_recipe
+    from small_recipes import write_recipe
     from trtbuild import manifest as mf
     from trtbuild.__main__ import main
-    from trtbuild.recipe import load_recipe
+    from trtbuild.core.recipe import load_recipe
 
     path = write_recipe(tmp_path, "tinyd", {"cot": {"kind": "hf", "path": str(tiny_models["llama-cot"])},
                                             "tir": {"kind": "hf", "path": str(tiny_models["llama-tir"])}},
@@ -180,8 +180,8 @@ def test_drafter_stage_in_make_engine(tiny_models, tmp_path, capfd):
 
 
 def test_draft_length_beyond_training_is_a_recipe_error(tmp_path):
-    from tiny import write_recipe
-    from trtbuild.recipe import RecipeError, load_recipe
+    from small_recipes import write_recipe
+    from trtbuild.core.recipe import RecipeError, load_recipe
 
     path = write_recipe(tmp_path, "bad", {"cot": {"kind": "hf", "path": "x"}, "tir": {"kind": "hf", "path": "y"}},
                         drafter={"kind": "redrafter", "draft_len_per_beam": 4, "train": {"draft_steps": 3}})

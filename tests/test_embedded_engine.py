@@ -21,7 +21,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 def hf(tiny_models):
     from transformers import AutoModelForCausalLM
 
-    from trtbuild.hf import load_tokenizer
+    from trtbuild.core.chat import load_tokenizer
 
     path = tiny_models["llama-cot"]
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()

@@ -16,9 +16,9 @@ from engine_double import ScriptedEngine
 from server.kaggle import gateway
 from server.kaggle.predict import Predictor
 from server.protocol import Final
-from tiny import write_recipe
+from small_recipes import write_recipe
 from trtbuild.build import engine_config
-from trtbuild.recipe import load_recipe
+from trtbuild.core.recipe import load_recipe
 
 
 def engine_folder(tmp_path: Path, tiny_models=None, **serving) -> Path:

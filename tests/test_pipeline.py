@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiny import write_recipe
+from small_recipes import write_recipe
 from trtbuild import manifest as mf
 from trtbuild.__main__ import main
-from trtbuild.recipe import load_recipe
+from trtbuild.core.recipe import load_recipe
 
 STAGE_DIRS = ["sources/cot", "sources/tir", "merge", "quantize/int8_wo", "quantize/fp8", "build/embedded"]
 
@@ -104,7 +104,7 @@ def test_quantized_exports_reload_within_rounding(qwen_build):
 
 def test_engine_folder_serves_tokens(qwen_build):
     from server.embedded.loader import load_model
-    from trtbuild.hf import load_tokenizer
+    from trtbuild.core.chat import load_tokenizer
 
     engine = qwen_build.out_dir / "build" / "embedded"
     cfg = json.loads((engine / "engine.json").read_text())

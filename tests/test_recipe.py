@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from trtbuild.recipe import RecipeError, load_recipe, parse_recipe
+from trtbuild.core.recipe import RecipeError, load_recipe, parse_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -83,7 +83,7 @@ def test_hf_path_resolves_against_recipe_folder(tmp_path, tiny_models):
 
 
 def test_core_imports_without_heavy_libraries():
-    code = ("import sys, trtbuild, trtbuild.recipe, trtbuild.manifest, trtbuild.backends, trtbuild.__main__, "
+    code = ("import sys, trtbuild, trtbuild.core.recipe, trtbuild.manifest, trtbuild.backends, trtbuild.__main__, "
             "merge, merge.config, server, server.embedded\n"
             "heavy = [m for m in ('torch', 'transformers', 'mergekit', 'modelopt', 'tensorrt_llm') if m in sys.modules]\n"
             "assert not heavy, heavy")

@@ -13,7 +13,8 @@ from engine_double import ScriptedEngine
 from sandbox import Limits, SandboxConfig, SandboxPool
 from server.budget import TimeBudget
 from server.protocol import SamplingParams
-from server.solver import Solver, SolverConfig, early_stop, vote
+from server.solver import Solver, early_stop, vote
+from trtbuild.core.recipe import BudgetSpec, SolverSpec
 from server.tir import SampleTrace, TIRClient
 
 
@@ -33,7 +34,7 @@ def answers_script(answers, lengths):
     return script
 
 
-def solve(pool, answers, lengths, cfg=SolverConfig(), deadline=None, step=0.002):
+def solve(pool, answers, lengths, cfg=SolverSpec(), deadline=None, step=0.002):
     eng = ScriptedEngine(answers_script(answers, lengths), step_seconds=step)
     client = TIRClient(eng, pool, sampling=SamplingParams(temperature=0, max_tokens=100_000),
                        top_logprobs=2 if cfg.vote == "entropy" else 0)
@@ -64,7 +65,7 @@ def test_deadline_stops_everything_and_cut_samples_vote(pool):
 
 
 def test_no_answer_uses_the_default():
-    cfg = SolverConfig(samples=2, first=2, agree=2, enough=2, default_answer=0)
+    cfg = SolverSpec(samples=2, early_stop_first=2, early_stop_agree=2, enough_finished=2, default_answer=0)
     eng = ScriptedEngine(lambda p, r: ["no answer here"])
     with SandboxPool(SandboxConfig(pool_size=1)) as pool:
         client = TIRClient(eng, pool, sampling=SamplingParams(temperature=0, max_tokens=100))
@@ -94,7 +95,7 @@ def test_entropy_vote_prefers_confident_samples():
 
 def test_entropy_vote_end_to_end(pool):
     # samples 0-2 say 1, 3-4 say 3; no early stop (agree 5)
-    cfg = SolverConfig(samples=5, first=5, agree=5, enough=5, vote="entropy")
+    cfg = SolverSpec(samples=5, early_stop_first=5, early_stop_agree=5, enough_finished=5, vote="entropy")
     answers = [1, 1, 1, 3, 3]
     order: dict[int, int] = {}
 
@@ -115,7 +116,7 @@ def test_entropy_vote_end_to_end(pool):
     ([1, 1, 1, 1], "agree"), ([1, 2, 1, 1, 1], "agree"), ([1, 2, 3, 1, 1], None), ([1, 2, 1, 2, 1, 1], None),
     ([None, None, None, None], None), (list(range(10)), "enough")])
 def test_early_stop_rules(answers, rule):
-    assert early_stop(answers, 12, SolverConfig()) == rule
+    assert early_stop(answers, 12, SolverSpec()) == rule
 
 
 class FakeClock:
@@ -128,7 +129,7 @@ class FakeClock:
 
 def test_aimo2_buffer_arithmetic():
     clock = FakeClock()
-    b = TimeBudget("aimo2", problems=4, total_seconds=4 * 350, clock=clock)
+    b = TimeBudget(BudgetSpec(policy="aimo2", total_seconds=4 * 350), 4, clock)
     assert b.allowance() == 350
     b.start(); clock.t += 100; b.finish()
     assert b.buffer == 250 and b.allowance() == 350 + 210
@@ -144,7 +145,7 @@ def test_aimo2_buffer_arithmetic():
 
 def test_aimo3_rule_values():
     clock = FakeClock()
-    b = TimeBudget("aimo3", problems=50, total_seconds=5 * 3600, low_seconds=300, high_seconds=900, clock=clock)
+    b = TimeBudget(BudgetSpec(policy="aimo3", total_seconds=5 * 3600, low_seconds=300, high_seconds=900), 50, clock)
     assert b.allowance() == min(900, max(300, 18000 - 300 * 49))  # 3300 -> capped at 900
     clock.t += 18000 - 2000  # 2000 s left, still 50 problems to go
     assert b.allowance() == 300
@@ -157,7 +158,7 @@ def test_simulated_fifty_problem_five_hour_run(policy):
     clock = FakeClock()
     spec = SimpleNamespace(policy=policy, total_seconds=5 * 3600.0, base_seconds=350.0, max_extra_seconds=210.0,
                            low_seconds=300.0, high_seconds=900.0)
-    b = TimeBudget.from_spec(spec, 50, clock)
+    b = TimeBudget(spec, 50, clock)
     rng = random.Random(0)
     used = []
     for _ in range(50):

@@ -10,10 +10,11 @@ import pytest
 from engine_double import ScriptedEngine
 from sandbox import Limits, SandboxConfig, SandboxPool
 from server.protocol import SamplingParams
-from server.tir import Tags, TIRClient, open_code
+from server.tir import TIRClient, open_code
+from trtbuild.core.recipe import CodeTags
 
-QWEN = Tags()
-NEMOTRON = Tags("<tool_call>\n", "</tool_call>\n", "```output\n", "```\n")
+QWEN = CodeTags()
+NEMOTRON = CodeTags("<tool_call>\n", "</tool_call>\n", "```output\n", "```\n")
 
 
 @pytest.fixture(scope="module")

@@ -109,7 +109,7 @@ def server(tiny_models, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(server, tiny_models):
-    from server.triton.client import TritonEngine
+    from server.triton.engine import TritonEngine
 
     eng = TritonEngine(server.url, str(tiny_models["llama-tir"]))
     yield eng
@@ -189,15 +189,16 @@ def test_stop_a_request_mid_stream_and_the_server_moves_on(engine):
 def test_solver_runs_tir_over_triton(server, tiny_models, tmp_path):
     """The solver, the TIR client and the sandbox, unchanged, over the triton backend."""
     from sandbox import Limits, SandboxConfig, SandboxPool
-    from server.solver import Solver, SolverConfig
+    from server.solver import Solver
+    from trtbuild.core.recipe import SolverSpec
     from server.tir import TIRClient
-    from server.triton.client import TritonEngine
+    from server.triton.engine import TritonEngine
 
     eng = TritonEngine(server.url, str(tiny_models["llama-tir"]))
     try:
         with SandboxPool(SandboxConfig(limits=Limits(wall_seconds=3), pool_size=2)) as pool:
             client = TIRClient(eng, pool, sampling=SamplingParams(temperature=0.7, max_tokens=48))
-            solver = Solver(eng, client, SolverConfig(samples=4, first=3, agree=2, enough=4))
+            solver = Solver(eng, client, SolverSpec(samples=4, early_stop_first=3, early_stop_agree=2, enough_finished=4))
             result = run(solver.solve("p", "What is 6 times 7?", deadline=time.monotonic() + 90))
     finally:
         eng.shutdown()
@@ -206,7 +207,7 @@ def test_solver_runs_tir_over_triton(server, tiny_models, tmp_path):
 
 
 def test_server_killed_mid_request_then_restarted(tiny_models, tmp_path):
-    from server.triton.client import TritonEngine
+    from server.triton.engine import TritonEngine
 
     srv = Server(tiny_models["llama-tir"], tmp_path / "server.log")
     try:

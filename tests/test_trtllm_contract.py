@@ -19,10 +19,10 @@ import pytest
 
 import trtllm_double as dbl
 from server.protocol import Delta, Final, Request, SamplingParams, collect
-from tiny import write_recipe
+from small_recipes import write_recipe
 from trtbuild import build as build_stage
 from trtbuild import manifest as mf
-from trtbuild.recipe import RecipeError, load_recipe
+from trtbuild.core.recipe import RecipeError, load_recipe
 from trtbuild.trtllm.env import Gpu, TrtllmEnv, parse_nvidia_smi
 
 PY = "/opt/trtllm/bin/python"

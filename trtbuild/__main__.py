@@ -15,7 +15,7 @@ import traceback
 from pathlib import Path
 
 from trtbuild import manifest as mf
-from trtbuild.recipe import Recipe, RecipeError, load_recipe
+from trtbuild.core.recipe import Recipe, RecipeError, load_recipe
 
 STAGES = ("sources", "merge", "quantize", "drafter", "build")
 

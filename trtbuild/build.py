@@ -17,7 +17,7 @@ from typing import Any
 
 from trtbuild import backends
 from trtbuild import manifest as mf
-from trtbuild.recipe import Recipe
+from trtbuild.core.recipe import Recipe
 
 VERSION = 1  # bump when the output of this stage changes for the same inputs
 STAGE = "build"

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from trtbuild.hf import encode, render_prompt
-from trtbuild.recipe import CodeTags, QualitySpec, Recipe
+from trtbuild.core.chat import encode, render_prompt
+from trtbuild.core.recipe import CodeTags, QualitySpec, Recipe
 from trtbuild.tir_data import make_problems
 
 

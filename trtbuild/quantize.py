@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from trtbuild import manifest as mf
-from trtbuild.recipe import Recipe
+from trtbuild.core.recipe import Recipe
 
 VERSION = 1  # bump when the output of this stage changes for the same inputs
 STAGE = "quantize"
@@ -33,7 +33,7 @@ def modelopt_config(fmt: str, kv_cache_dtype: str) -> dict[str, Any]:
 
 def calibration_texts(recipe: Recipe, tokenizer: Any) -> list[list[int]]:
     """TIR traces in the serving chat format: the distribution the engine will see."""
-    from trtbuild.hf import encode, render_prompt
+    from trtbuild.core.chat import encode, render_prompt
     from trtbuild.tir_data import make_traces
 
     c = recipe.quantize.calibration
@@ -92,7 +92,7 @@ def _quantize_one(recipe: Recipe, fmt: str, merged_dir: Path, final: Path, fp: s
     from modelopt.torch.export.model_utils import get_model_type
 
     from server.embedded.loader import load_model
-    from trtbuild.hf import load_tokenizer
+    from trtbuild.core.chat import load_tokenizer
     from trtbuild.quality import price
 
     started = time.time()
@@ -169,7 +169,8 @@ def run(recipe: Recipe) -> Path:
         if not mf.up_to_date(final, fps[fmt], STAGE):
             if ref is None:
                 from server.embedded.loader import load_model
-                from trtbuild.hf import load_tokenizer, use_all_cores
+                from trtbuild.core.chat import load_tokenizer
+                from server.embedded.loader import use_all_cores
                 from trtbuild.quality import quality_prompts, record_replies
 
                 use_all_cores()

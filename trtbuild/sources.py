@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from trtbuild import manifest as mf
-from trtbuild.recipe import GGUFPackageSource, HFSource, Recipe, RecipeError, TIRFinetuneSource, to_data
+from trtbuild.core.recipe import GGUFPackageSource, HFSource, Recipe, RecipeError, TIRFinetuneSource, to_data
 from trtbuild.tir_data import VERSION as TIR_VERSION
 
 VERSION = 1  # bump when the output of this stage changes for the same inputs
@@ -47,10 +47,7 @@ def gguf_to_hf(path: Path, out: Path) -> None:
 
 def source_dir(recipe: Recipe, name: str) -> Path:
     """Where the merge reads source `name` from (valid once the stage has run)."""
-    src = recipe.sources[name]
-    if isinstance(src, HFSource):
-        return recipe.resolve(src.path)
-    return recipe.out_dir / STAGE / name / "model"
+    return recipe.source_model(name)
 
 
 def _fingerprint(recipe: Recipe, name: str) -> str:

@@ -15,7 +15,8 @@ import sys
 from dataclasses import dataclass
 from typing import Callable
 
-from trtbuild.recipe import CodeTags
+from trtbuild.core.chat import output_block
+from trtbuild.core.recipe import CodeTags
 
 
 VERSION = 1  # bump when the traces or the fine-tune (tir_finetune.py) change for the same recipe
@@ -136,7 +137,7 @@ def format_trace(problem: Problem, output: str, tags: CodeTags) -> str:
     return (
         "I will compute this with Python.\n"
         f"{tags.code_start}{problem.code}\n{tags.code_end}"
-        f"{tags.output_start}{output if output.endswith(chr(10)) else output + chr(10)}{tags.output_end}"
+        f"{output_block(tags, output)}"
         f"The answer is $\\boxed{{{answer}}}$."
     )
 
@@ -152,8 +153,3 @@ def make_traces(n: int, seed: int, tags: CodeTags) -> list[Trace]:
     problems = make_problems(n, seed)
     outputs = run_code([p.code for p in problems])
     return [Trace(p.text, format_trace(p, o, tags), o.strip()) for p, o in zip(problems, outputs)]
-
-
-def chat_messages(problem: str, system_prompt: str | None = None) -> list[dict[str, str]]:
-    msgs = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    return msgs + [{"role": "user", "content": problem}]

@@ -14,9 +14,10 @@ from typing import Any
 
 import torch
 
-from trtbuild.hf import encode, load_model, load_tokenizer, render_prompt, use_all_cores
+from trtbuild.core.chat import encode, load_tokenizer, render_prompt
+from server.embedded.loader import load_model, use_all_cores
 from trtbuild.manifest import log
-from trtbuild.recipe import CodeTags, TIRFinetuneSource
+from trtbuild.core.recipe import CodeTags, TIRFinetuneSource
 from trtbuild.tir_data import Trace, make_traces
 
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -65,7 +66,7 @@ def finetune(spec: TIRFinetuneSource, base_dir: Path, out_dir: Path, tags: CodeT
     held = _examples(tok, heldout, spec.max_length, system_prompt)
     log("sources", f"tir: {len(train)} traces ({sum(len(i) for i, _ in train)} tokens) in {time.time() - t0:.1f}s")
 
-    model = load_model(base_dir, "bfloat16")
+    model = load_model(base_dir)
     model = get_peft_model(
         model,
         LoraConfig(r=spec.lora_rank, lora_alpha=spec.lora_alpha, lora_dropout=0.0, target_modules=TARGET_MODULES),

@@ -13,46 +13,52 @@ problem share the prompt's prefill). `Final.cached_tokens` says how many prompt 
 
 from __future__ import annotations
 
-import asyncio
 import os
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from server.embedded.runner import SlotRunner
 from server.embedded.sampler import make_generator, sample
-from server.protocol import Delta, Event, Final, Request, SamplingParams, stream_events
-from server.textstream import IncrementalDetokenizer, StopMatcher, TokenizerFront, emit, flush_text
+from server.protocol import Request, SamplingParams
+from server.stream import EngineBase, RequestStream
 
 
 @dataclass
 class _Seq:
-    req: Request
-    params: SamplingParams
-    prompt: list[int]
-    loop: asyncio.AbstractEventLoop
-    out: asyncio.Queue
-    detok: IncrementalDetokenizer
-    stopper: StopMatcher
+    """A request in the scheduler: its stream plus where its KV lives."""
+
+    stream: RequestStream
     gen: torch.Generator
-    submitted: float
     slot: int = -1
     kv_len: int = 0  # tokens whose KV is in the slot
-    generated: list[int] = field(default_factory=list)
-    text: list[str] = field(default_factory=list)
     pending: Optional[int] = None  # sampled, not yet in the cache
-    cached: int = 0
-    scheduled: float = 0.0
     max_new: int = 0
 
     @property
+    def req(self) -> Request:
+        return self.stream.request
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.stream.params
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.stream.prompt
+
+    @property
+    def generated(self) -> list[int]:
+        return self.stream.generated
+
+    @property
     def tokens(self) -> list[int]:
-        return self.prompt + self.generated
+        return self.stream.prompt + self.stream.generated
 
 
 @dataclass
@@ -72,7 +78,7 @@ class EngineStats:
         return max(0.0, self.busy_seconds - self.forward_seconds - self.sample_seconds)
 
 
-class EmbeddedEngine(TokenizerFront):
+class EmbeddedEngine(EngineBase):
     name = "embedded"
 
     def __init__(self, model: Any = None, tokenizer: Any = None, max_batch_size: int = 16, max_seq_len: int = 4096,
@@ -143,7 +149,7 @@ class EmbeddedEngine(TokenizerFront):
         import json
 
         from server.embedded.loader import load_model
-        from trtbuild.hf import load_tokenizer
+        from trtbuild.core.chat import load_tokenizer
 
         engine_dir = Path(engine_dir)
         spec_file = engine_dir / "engine.json"
@@ -173,25 +179,12 @@ class EmbeddedEngine(TokenizerFront):
             ids.add(tokenizer.eos_token_id)
         return frozenset(ids)
 
-    # ---- the protocol (tokenize, detokenize, chat_prompt: TokenizerFront)
-    async def generate(self, request: Request) -> AsyncIterator[Event]:
-        if self._closed:
-            raise RuntimeError("engine is closed")
-        loop = asyncio.get_running_loop()
-        out: asyncio.Queue = asyncio.Queue()
-        prompt = self.tokenize(request.prompt) if isinstance(request.prompt, str) else [int(t) for t in request.prompt]
-        p = request.params
-        seq = _Seq(request, p, prompt, loop, out, IncrementalDetokenizer(self.tokenizer), StopMatcher(p.stop),
-                   make_generator(p.seed), time.monotonic())
-        self._inbox.put(("add", seq))
-        async for ev in stream_events(out, lambda: self.cancel(request.request_id)):
-            yield ev
+    # ---- the driver (generate, tokenize, detokenize, chat_prompt: EngineBase)
+    def _submit(self, stream: RequestStream) -> None:
+        self._inbox.put(("add", _Seq(stream, make_generator(stream.params.seed))))
 
     def cancel(self, request_id: str) -> None:
         self._inbox.put(("cancel", request_id))
-
-    async def close(self) -> None:
-        self.shutdown()
 
     def shutdown(self) -> None:
         if self._closed:
@@ -201,9 +194,6 @@ class EmbeddedEngine(TokenizerFront):
         self._thread.join(timeout=30)
 
     # ---- the scheduler thread
-    def _emit(self, seq: _Seq, ev: Event) -> None:
-        emit(seq.loop, seq.out, ev)
-
     def _loop(self) -> None:
         while True:
             block = not self._active and not self._waiting
@@ -250,14 +240,9 @@ class EmbeddedEngine(TokenizerFront):
     def _fail_all(self, error: str) -> None:
         """End every request with an error without touching the cache (its state is unknown after a
         failed step) and forget the kept prefixes, so the next requests start clean."""
-        now = time.monotonic()
         for seq in self._active + self._waiting:
-            if self._by_id.pop(seq.req.request_id, None) is None:
-                continue
-            self._emit(seq, Final(request_id=seq.req.request_id, finish_reason="error", text="".join(seq.text),
-                                  token_ids=tuple(seq.generated), prompt_tokens=len(seq.prompt), error=error,
-                                  cached_tokens=seq.cached, queue_seconds=(seq.scheduled or now) - seq.submitted,
-                                  seconds=now - seq.submitted))
+            if self._by_id.pop(seq.req.request_id, None) is not None:
+                seq.stream.finish("error", error)
         self._active, self._waiting = [], []
         self._parked.clear()
 
@@ -316,8 +301,8 @@ class EmbeddedEngine(TokenizerFront):
                 self._parked.pop(slot, None)
                 if best >= 0:
                     self.runner.copy(best, slot, best_len)
-            seq.slot, seq.cached, seq.kv_len = slot, best_len, best_len
-            seq.scheduled = time.monotonic()
+            seq.slot, seq.kv_len = slot, best_len
+            seq.stream.cached_tokens, seq.stream.scheduled = best_len, time.monotonic()
             self._active.append(seq)
             self.stats.cached_tokens += best_len
             t0 = time.perf_counter()
@@ -350,27 +335,17 @@ class EmbeddedEngine(TokenizerFront):
         toks, tops = sample(logits, [s.params for s in seqs], [s.gen for s in seqs])
         self.stats.sample_seconds += time.perf_counter() - t0
         for s, tok, top in zip(seqs, toks, tops):
-            s.generated.append(tok)
             s.pending = tok
             eos = (tok in self.eos_ids and not s.params.ignore_eos) or tok in s.params.stop_token_ids
-            text, matched, overhang = ("", None, "") if eos else s.stopper.feed(s.detok.push([tok]))
-            s.text.append(text)
-            self._emit(s, Delta((tok,), text, (top,) if top is not None else None))
-            if eos:
+            matched = s.stream.push((tok,), (top,) if top is not None else None, text=not eos)
+            if eos or matched is not None:
                 self._finish(s, "stop")
-            elif matched is not None:
-                self._finish(s, "stop", stop_string=matched, overhang=overhang + s.detok.flush())
             elif len(s.generated) >= s.max_new:
                 self._finish(s, "length")
 
-    def _finish(self, seq: _Seq, reason: str, stop_string: Optional[str] = None, overhang: str = "", error: str = "") -> None:
+    def _finish(self, seq: _Seq, reason: str, error: str = "") -> None:
         if self._by_id.pop(seq.req.request_id, None) is None:
             return  # already final
-        if stop_string is None and reason != "error":
-            tail = flush_text(seq.detok, seq.stopper)
-            if tail:
-                seq.text.append(tail)
-                self._emit(seq, Delta((), tail))
         if seq in self._waiting:
             self._waiting.remove(seq)
         if seq.slot >= 0 and seq.slot < len(self._active) and self._active[seq.slot] is seq:
@@ -381,9 +356,4 @@ class EmbeddedEngine(TokenizerFront):
                 self._active[i], other.slot = other, i
             self._active.pop()
             self._parked[last] = (seq.tokens[:seq.kv_len], time.monotonic())
-        now = time.monotonic()
-        self._emit(seq, Final(
-            request_id=seq.req.request_id, finish_reason=reason, text="".join(seq.text),  # type: ignore[arg-type]
-            token_ids=tuple(seq.generated), prompt_tokens=len(seq.prompt), stop_string=stop_string,
-            overhang=overhang, error=error, cached_tokens=seq.cached,
-            queue_seconds=(seq.scheduled or now) - seq.submitted, seconds=now - seq.submitted))
+        seq.stream.finish(reason, error)  # type: ignore[arg-type]

@@ -112,3 +112,10 @@ def _materialize_buffers(model: torch.nn.Module, config: Any, dtype: torch.dtype
             raise ValueError(f"cannot materialize buffers {metas} of {name} ({type(module).__name__})")
         for b in metas:
             setattr(module, b, getattr(fresh, b))
+
+
+def use_all_cores() -> None:
+    """Torch intra-op threads on every core (stages that run the model on the CPU)."""
+    import os
+
+    torch.set_num_threads(max(1, os.cpu_count() or 1))

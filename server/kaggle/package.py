@@ -136,7 +136,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--wheels", choices=("project", "runtime"), default="runtime")
     ap.add_argument("--competition", choices=("aimo3", "aimo2"), default="aimo3")
     args = ap.parse_args(argv)
-    from trtbuild.recipe import RecipeError, load_recipe
+    from trtbuild.core.recipe import RecipeError, load_recipe
 
     try:
         recipe = load_recipe(args.recipe)

@@ -19,7 +19,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from trtbuild.recipe import ServingSpec, parse_section
+from trtbuild.core.recipe import ServingSpec, parse_section
 
 HEARTBEAT_SECONDS = 30.0
 MIN_RETRY_SECONDS = 5.0  # a restart is worth it only with this much of the problem's time left
@@ -53,13 +53,9 @@ class Predictor:
 
     # ---- lazy start
     def _open_engine(self) -> Any:
-        if self.spec.get("backend") == "trtllm":
-            from server.trtllm.engine import TrtllmEngine
+        from server.backends import open_engine
 
-            return TrtllmEngine.from_dir(self.engine_dir)
-        from server.embedded.engine import EmbeddedEngine
-
-        return EmbeddedEngine.from_dir(self.engine_dir)
+        return open_engine(self.engine_dir)
 
     def _load(self) -> None:
         done = threading.Event()
@@ -79,12 +75,11 @@ class Predictor:
         if self.budget is None:
             from server.budget import TimeBudget
 
-            self.budget = TimeBudget.from_spec(self.serving.budget, self.problems)
+            self.budget = TimeBudget(self.serving.budget, self.problems)
         if self.sandbox is None:
-            from sandbox import Limits, SandboxConfig, SandboxPool
+            from server.assembly import sandbox_for
 
-            t = self.serving.tool
-            self.sandbox = SandboxPool(SandboxConfig(limits=Limits(wall_seconds=t.wall_seconds, memory_mb=t.memory_mb)))
+            self.sandbox = sandbox_for(self.serving.tool)
         if self.engine is None or not self._alive():
             if self.engine is not None:
                 self.restarts += 1
@@ -104,9 +99,9 @@ class Predictor:
         self.engine = None
 
     def _solver(self) -> Any:
-        from server.solve import make_solver_for
+        from server.assembly import build_solver
 
-        return make_solver_for(self.serving, self.engine, self.sandbox, self.samples)
+        return build_solver(self.serving, self.engine, self.sandbox, self.samples)
 
     # ---- one problem
     def solve(self, pid: str, text: str) -> int:

@@ -74,7 +74,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     from server.embedded.engine import EmbeddedEngine
-    from server.triton.client import TritonEngine
+    from server.triton.engine import TritonEngine
 
     levels = [int(x) for x in args.levels.split(",")]
     direct = EmbeddedEngine.from_dir(args.engine)

@@ -16,22 +16,21 @@ the leader shuts down, then exit.
 
 from __future__ import annotations
 
-import asyncio
 import datetime
 import json
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Optional
+from typing import Any, Optional
 
-from server.protocol import Delta, Event, Final, Request, SamplingParams, stream_events
-from server.textstream import IncrementalDetokenizer, StopMatcher, TokenizerFront, emit, flush_text
+from server.protocol import FinishReason, Request, SamplingParams
+from server.stream import EngineBase, RequestStream
 
 POLL = datetime.timedelta(milliseconds=20)
 CANCEL_GRACE_SECONDS = 5.0  # a cancelled request the executor never finalises is finalised here
-FINISH = {"END_ID": "stop", "STOP_WORDS": "stop", "LENGTH": "length", "TIMED_OUT": "timeout",
+FINISH: dict[str, FinishReason] = {"END_ID": "stop", "STOP_WORDS": "stop", "LENGTH": "length", "TIMED_OUT": "timeout",
           "CANCELLED": "cancelled", "NOT_FINISHED": "length"}
 
 
@@ -75,23 +74,19 @@ def sampling_config(tle: Any, p: SamplingParams) -> Any:
 
 @dataclass
 class _Req:
-    req: Request
+    """A request in the executor: its stream and the executor's id for it."""
+
+    stream: RequestStream
     exec_id: int
-    loop: asyncio.AbstractEventLoop
-    out: asyncio.Queue
-    detok: IncrementalDetokenizer
-    stopper: StopMatcher
-    prompt_tokens: int
-    submitted: float
-    generated: list[int] = field(default_factory=list)
-    text: list[str] = field(default_factory=list)
-    first_token: Optional[float] = None
     cancel_at: Optional[float] = None  # when we asked the executor to cancel
-    cancel_reason: str = "cancelled"
-    done: bool = False
+    cancel_reason: FinishReason = "cancelled"
+
+    @property
+    def req(self) -> Request:
+        return self.stream.request
 
 
-class TrtllmEngine(TokenizerFront):
+class TrtllmEngine(EngineBase):
     name = "trtllm"
 
     def __init__(self, executor: Any, tle: Any, tokenizer: Any, spec: dict[str, Any], tokens_per_block: int = 32):
@@ -135,7 +130,7 @@ class TrtllmEngine(TokenizerFront):
             raise SystemExit(0)
         return cls(executor, tle, tokenizer, spec, int(plugin.get("tokens_per_block", 32)))
 
-    # ---- the protocol (tokenize, detokenize, chat_prompt: TokenizerFront)
+    # ---- the driver (generate, tokenize, detokenize, chat_prompt: EngineBase)
     def _request(self, prompt: list[int], p: SamplingParams) -> Any:
         tle = self.tle
         return tle.Request(
@@ -147,39 +142,27 @@ class TrtllmEngine(TokenizerFront):
             stop_words=[[int(t)] for t in p.stop_token_ids] or None,
         )
 
-    async def generate(self, request: Request) -> AsyncIterator[Event]:
-        if self._closed:
-            raise RuntimeError("engine is closed")
-        loop = asyncio.get_running_loop()
-        out: asyncio.Queue = asyncio.Queue()
-        prompt = self.tokenize(request.prompt) if isinstance(request.prompt, str) else [int(t) for t in request.prompt]
-        now = time.monotonic()
+    def _submit(self, stream: RequestStream) -> None:
+        prompt = stream.prompt
         if not 0 < len(prompt) <= self.max_input_len or len(prompt) >= self.max_seq_len:
-            yield Final(request.request_id, "error", "", (), len(prompt), seconds=0.0,
-                        error=f"prompt of {len(prompt)} tokens: must be 1..{self.max_input_len} (max_input_len) "
-                              f"and leave room below max_seq_len {self.max_seq_len}")
+            stream.finish("error", f"prompt of {len(prompt)} tokens: must be 1..{self.max_input_len} (max_input_len) "
+                                   f"and leave room below max_seq_len {self.max_seq_len}")
             return
         with self._lock:  # the poller must not see responses of an unregistered request
             try:
-                exec_id = self.executor.enqueue_request(self._request(prompt, request.params))
+                exec_id = self.executor.enqueue_request(self._request(prompt, stream.params))
             except Exception as e:  # noqa: BLE001 - the executor rejects bad requests with its own message
-                yield Final(request.request_id, "error", "", (), len(prompt), error=f"enqueue failed: {e}")
+                stream.finish("error", f"enqueue failed: {e}")
                 return
-            r = _Req(request, exec_id, loop, out, IncrementalDetokenizer(self.tokenizer),
-                     StopMatcher(request.params.stop), len(prompt), now)
-            self._by_exec[exec_id], self._by_id[request.request_id] = r, r
-        async for ev in stream_events(out, lambda: self.cancel(request.request_id)):
-            yield ev
+            r = _Req(stream, exec_id)
+            self._by_exec[exec_id], self._by_id[stream.request_id] = r, r
 
     def cancel(self, request_id: str) -> None:
         with self._lock:
             r = self._by_id.get(request_id)
-            if r is not None and not r.done and r.cancel_at is None:
+            if r is not None and not r.stream.done and r.cancel_at is None:
                 r.cancel_at = time.monotonic()
                 self.executor.cancel_request(r.exec_id)
-
-    async def close(self) -> None:
-        self.shutdown()
 
     def shutdown(self) -> None:
         if self._closed:
@@ -192,9 +175,6 @@ class TrtllmEngine(TokenizerFront):
         self.executor.shutdown()
 
     # ---- the poller thread
-    def _emit(self, r: _Req, ev: Event) -> None:
-        emit(r.loop, r.out, ev)
-
     def _poll(self) -> None:
         while not self._closed:
             try:
@@ -227,23 +207,18 @@ class TrtllmEngine(TokenizerFront):
             self._finish(r, "error", error=str(resp.error_msg))
             return
         res = resp.result
+        # streaming: output_token_ids holds the tokens since the last response, log_probs all so far
         new = [int(t) for t in (res.output_token_ids[0] if res.output_token_ids else [])]
         logprobs = None
         if r.req.params.top_logprobs > 0 and res.log_probs:
             lps = list(res.log_probs[0])[-len(new):] if new else []
             logprobs = tuple(((tok, float(lp)),) for tok, lp in zip(new, lps))
-        if new:
-            r.first_token = r.first_token or time.monotonic()
-            r.generated.extend(new)
-            text, matched, overhang = r.stopper.feed(r.detok.push(new))
-            r.text.append(text)
-            self._emit(r, Delta(tuple(new), text, logprobs))
-            if matched is not None:
-                if not res.is_final:
-                    r.cancel_at = time.monotonic()
-                    self.executor.cancel_request(r.exec_id)
-                self._finish(r, "stop", stop_string=matched, overhang=overhang + r.detok.flush(), result=res)
-                return
+        if r.stream.push(new, logprobs) is not None:
+            if not res.is_final:
+                r.cancel_at = time.monotonic()
+                self.executor.cancel_request(r.exec_id)
+            self._finish(r, "stop", result=res)
+            return
         if res.is_final:
             reason = res.finish_reasons[0].name if res.finish_reasons else "END_ID"
             finish = FINISH.get(reason, "stop")
@@ -251,26 +226,14 @@ class TrtllmEngine(TokenizerFront):
                 finish = "timeout"
             self._finish(r, finish, result=res)
 
-    def _finish(self, r: _Req, reason: str, stop_string: Optional[str] = None, overhang: str = "",
-                error: str = "", result: Any = None) -> None:
-        """Emit the one Final of `r` (later responses for it are dropped)."""
-        if r.done:
+    def _finish(self, r: _Req, reason: FinishReason, error: str = "", result: Any = None) -> None:
+        """End `r` (later responses for it are dropped); cached tokens from its KV-cache metrics."""
+        if r.stream.done:
             return
-        r.done = True
         self._by_exec.pop(r.exec_id, None)
         self._by_id.pop(r.req.request_id, None)
-        if stop_string is None and reason != "error":
-            tail = flush_text(r.detok, r.stopper)
-            if tail:
-                r.text.append(tail)
-                self._emit(r, Delta((), tail))
-        cached = 0
         metrics = getattr(result, "request_perf_metrics", None) if result is not None else None
         if metrics is not None:
-            cached = min(r.prompt_tokens, int(metrics.kv_cache_metrics.num_reused_blocks) * self.tokens_per_block)
-        now = time.monotonic()
-        self._emit(r, Final(
-            request_id=r.req.request_id, finish_reason=reason, text="".join(r.text),  # type: ignore[arg-type]
-            token_ids=tuple(r.generated), prompt_tokens=r.prompt_tokens, stop_string=stop_string, overhang=overhang,
-            error=error, cached_tokens=cached, queue_seconds=(r.first_token or now) - r.submitted,
-            seconds=now - r.submitted))
+            reused = int(metrics.kv_cache_metrics.num_reused_blocks) * self.tokens_per_block
+            r.stream.cached_tokens = min(len(r.stream.prompt), reused)
+        r.stream.finish(reason, error)

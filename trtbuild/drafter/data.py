@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trtbuild.recipe import Recipe
+from trtbuild.core.recipe import Recipe
 from trtbuild.tir_data import make_problems
 
 TRAIN_SEED_OFFSET = 50_000  # problem seeds apart from the TIR fine-tune, calibration and quality sets
@@ -43,14 +43,10 @@ def problems(recipe: Recipe, heldout: bool) -> list[str]:
 
 
 async def _generate(engine: Any, sandbox: Any, recipe: Recipe, texts: list[str], samples: int) -> list[Sequence]:
-    from server.protocol import SamplingParams
-    from server.tir import Tags, TIRClient
+    from server.assembly import tir_client
 
     s, t = recipe.serving, recipe.drafter.train
-    sampling = SamplingParams(temperature=s.sampling.temperature, top_p=s.sampling.top_p, top_k=s.sampling.top_k,
-                              max_tokens=t.max_tokens)
-    client = TIRClient(engine, sandbox, Tags.from_spec(s.code_tags), sampling, s.max_code_calls, s.output_chars,
-                       s.tool.wall_seconds, record_tokens=True)
+    client = tir_client(s, engine, sandbox, max_tokens=t.max_tokens, record_tokens=True)
 
     async def one(i: int, text: str, k: int) -> Sequence:
         prompt = engine.tokenize(engine.chat_prompt(text, s.system_prompt))
@@ -68,15 +64,15 @@ async def _generate(engine: Any, sandbox: Any, recipe: Recipe, texts: list[str],
 def generate(recipe: Recipe, target_dir: Path, train: bool = True, log: Any = print) -> tuple[list[Sequence], list[Sequence]]:
     """(training, held-out) samples of the target, with the real sandbox; training is empty when
     `train` is false (a given drafter is only measured)."""
-    from sandbox import Limits, SandboxConfig, SandboxPool
+    from server.assembly import sandbox_for
     from server.embedded.engine import EmbeddedEngine
 
-    b, tool = recipe.build, recipe.serving.tool
+    b = recipe.build
     engine = EmbeddedEngine.from_dir(target_dir, max_batch_size=b.max_batch_size, max_seq_len=b.max_seq_len,
                                      max_input_len=b.max_input_len)
     out: list[list[Sequence]] = []
     try:
-        with SandboxPool(SandboxConfig(limits=Limits(wall_seconds=tool.wall_seconds, memory_mb=tool.memory_mb))) as pool:
+        with sandbox_for(recipe.serving.tool) as pool:
             for heldout in (False, True):
                 if not heldout and not train:
                     out.append([])

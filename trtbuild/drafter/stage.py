@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from trtbuild import manifest as mf
-from trtbuild.recipe import Recipe
+from trtbuild.core.recipe import Recipe
 
 VERSION = 1  # bump when the output of this stage changes for the same inputs
 STAGE = "drafter"
@@ -52,7 +52,7 @@ def run(recipe: Recipe) -> Optional[Path]:
         return final
     from server.embedded.loader import load_model
     from trtbuild.drafter import acceptance, data, train
-    from trtbuild.hf import use_all_cores
+    from server.embedded.loader import use_all_cores
 
     target = target_dir(recipe)
     if not (target / "config.json").is_file():

@@ -20,7 +20,7 @@ from torch.nn import functional as F
 
 from trtbuild.drafter.data import Sequence
 from trtbuild.drafter.model import DrafterConfig, ReDrafter
-from trtbuild.recipe import DrafterTrainSpec
+from trtbuild.core.recipe import DrafterTrainSpec
 
 
 @dataclass

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from trtbuild import manifest as mf
-from trtbuild.recipe import Recipe
+from trtbuild.core.recipe import Recipe
 from trtbuild.trtllm.env import TrtllmEnv
 from trtbuild.trtllm.preflight import drafter_dir
 
@@ -61,7 +61,7 @@ def run_subprocess(step: Step, cmd: list[str], env: dict[str, str]) -> None:
 def write_calibration_set(recipe: Recipe, model_dir: Path, out: Path) -> Path:
     """`out/train.jsonl` with a "text" column: TIR traces in the serving chat format, what quantize.py's
     local-dataset loader reads (split train, column text)."""
-    from trtbuild.hf import load_tokenizer, render_prompt
+    from trtbuild.core.chat import load_tokenizer, render_prompt
     from trtbuild.tir_data import make_traces
 
     c = recipe.quantize.calibration

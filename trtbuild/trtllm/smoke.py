@@ -47,7 +47,7 @@ def write_recipe(folder: Path, name: str, model: Path, quantization: str) -> Pat
 def build(folder: Path, name: str, model: Path, quantization: str, env: Any, runner: Any) -> Path:
     """The pipeline's own trtllm build on a recipe whose merge is the tiny model itself."""
     from trtbuild import build as build_stage
-    from trtbuild.recipe import load_recipe
+    from trtbuild.core.recipe import load_recipe
 
     recipe = load_recipe(write_recipe(folder, name, model, quantization))
     merged = recipe.out_dir / "merge" / "model"
@@ -117,7 +117,7 @@ async def stream_and_cancel(engine: Any, prompt: list[int]) -> dict[str, Any]:
 
 def run(out: Path, env: Any = None, runner: Any = None, compare_hf: bool = True) -> dict[str, Any]:
     from server.trtllm.engine import TrtllmEngine
-    from trtbuild.tiny import make_model
+    from trtbuild.tiny_model import make_model
     from trtbuild.trtllm.env import probe
 
     env = env or probe()

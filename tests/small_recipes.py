@@ -1,4 +1,4 @@
-"""Test helpers: the tiny checkpoints (made by `trtbuild.tiny`) and recipes sized for tests."""
+"""Test helper: recipes sized for tests (the tiny checkpoints come from `trtbuild.tiny_model`)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,7 @@ from pathlib import Path
 
 import yaml
 
-from trtbuild.tiny import make_model
-
-__all__ = ["make_model", "write_recipe"]
+__all__ = ["write_recipe"]
 
 def write_recipe(folder: Path, name: str, sources: dict, **sections) -> Path:
     """A recipe sized for tests (few prompts, short replies, small calibration)."""

@@ -15,18 +15,16 @@ reconnects.
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
-from server.protocol import Delta, Event, Final, Request, SamplingParams, stream_events
-from server.textstream import IncrementalDetokenizer, StopMatcher, TokenizerFront, emit, flush_text
+from server.protocol import FINISH_REASONS, FinishReason, SamplingParams
+from server.stream import EngineBase, RequestStream
 from server.triton.interface import INPUTS, KEY_PARAMETER, MODEL, STOP_PARAMETER
 
 CANCEL_GRACE_SECONDS = 5.0
-FINISH_REASONS = ("stop", "length", "cancelled", "timeout", "error")
 
 
 def infer_inputs(values: dict[str, Any]) -> list:
@@ -44,22 +42,18 @@ def infer_inputs(values: dict[str, Any]) -> list:
 
 @dataclass
 class _Pending:
-    req: Request
-    loop: asyncio.AbstractEventLoop
-    out: asyncio.Queue
-    detok: IncrementalDetokenizer
-    stopper: StopMatcher
-    prompt_tokens: int
-    submitted: float
-    generated: list[int] = field(default_factory=list)
-    text: list[str] = field(default_factory=list)
-    first: Optional[float] = None
+    """A request on the gRPC stream: its stream plus the stop signal's state."""
+
+    stream: RequestStream
     stop_sent: Optional[float] = None
-    end_reason: str = "cancelled"
-    done: bool = False
+    end_reason: FinishReason = "cancelled"
+
+    @property
+    def done(self) -> bool:
+        return self.stream.done
 
 
-class TritonEngine(TokenizerFront):
+class TritonEngine(EngineBase):
     name = "triton"
 
     def __init__(self, url: str, tokenizer_dir: str, model: str = MODEL, connect_timeout: float = 10.0):
@@ -124,7 +118,7 @@ class TritonEngine(TokenizerFront):
             if not is_final or resp.outputs:
                 self._on_output(p, result)
             if is_final and not p.done:  # a server that sends no finish_reason (tensorrtllm_backend)
-                ran_out = len(p.generated) >= p.req.params.max_tokens
+                ran_out = len(p.stream.generated) >= p.stream.params.max_tokens
                 self._finish(p, p.end_reason if p.stop_sent else ("length" if ran_out else "stop"))
 
     def _on_output(self, p: _Pending, result: Any) -> None:
@@ -138,19 +132,14 @@ class TritonEngine(TokenizerFront):
             new = self.tokenizer(piece, add_special_tokens=False)["input_ids"] if piece else []
         if new and not p.done:
             logprobs = None
-            k = p.req.params.top_logprobs
+            k = p.stream.params.top_logprobs
             if k and "logprobs" in names:
                 flat = result.as_numpy("logprobs").reshape(-1, 2)
                 logprobs = tuple(tuple((int(t), float(lp)) for t, lp in flat[i * k:(i + 1) * k])
                                  for i in range(len(flat) // k))
-            p.first = p.first or time.monotonic()
-            p.generated.extend(new)
-            text, matched, overhang = p.stopper.feed(p.detok.push(new))
-            p.text.append(text)
-            self._emit(p, Delta(tuple(new), text, logprobs))
-            if matched is not None:
+            if p.stream.push(new, logprobs) is not None:
                 self._send_stop(p, "stop")
-                self._finish(p, "stop", stop_string=matched, overhang=overhang + p.detok.flush())
+                self._finish(p, "stop")
                 return
         if reason is not None and not p.done:
             r = reason.reshape(-1)[0]
@@ -159,7 +148,7 @@ class TritonEngine(TokenizerFront):
             if head in FINISH_REASONS:
                 self._finish(p, p.end_reason if head == "cancelled" and p.stop_sent else head, error=err)
 
-    # ---- the protocol (tokenize, detokenize, chat_prompt: TokenizerFront)
+    # ---- the driver (generate, tokenize, detokenize, chat_prompt: EngineBase)
     def _inputs(self, prompt: list[int], p: SamplingParams) -> list:
         import numpy as np
 
@@ -179,14 +168,9 @@ class TritonEngine(TokenizerFront):
                 values["top_logprobs"] = np.array([p.top_logprobs], dtype=np.int32)
         return infer_inputs(values)
 
-    async def generate(self, request: Request) -> AsyncIterator[Event]:
-        if self._closed:
-            raise RuntimeError("engine is closed")
-        loop = asyncio.get_running_loop()
-        out: asyncio.Queue = asyncio.Queue()
-        prompt = self.tokenize(request.prompt) if isinstance(request.prompt, str) else [int(t) for t in request.prompt]
-        p = _Pending(request, loop, out, IncrementalDetokenizer(self.tokenizer), StopMatcher(request.params.stop),
-                     len(prompt), time.monotonic())
+    def _submit(self, stream: RequestStream) -> None:
+        p = _Pending(stream)
+        request = stream.request
         try:
             with self._lock:
                 if self._client is None:
@@ -198,7 +182,7 @@ class TritonEngine(TokenizerFront):
                     self._broken.clear()
                     self._connect()
                 self._pending[request.request_id] = p
-                self._client.async_stream_infer(self.model, self._inputs(prompt, request.params),
+                self._client.async_stream_infer(self.model, self._inputs(stream.prompt, request.params),
                                                 request_id=request.request_id,
                                                 parameters={KEY_PARAMETER: request.request_id},
                                                 enable_empty_final_response=True)
@@ -206,17 +190,12 @@ class TritonEngine(TokenizerFront):
             with self._lock:
                 self._drop_client()
                 self._finish(p, "error", error=f"Triton at {self.url} unreachable: {e}")
-        async for ev in stream_events(out, lambda: self.cancel(request.request_id)):
-            yield ev
 
     def cancel(self, request_id: str) -> None:
         with self._lock:
             p = self._pending.get(request_id)
             if p is not None and not p.done:
                 self._send_stop(p, "cancelled")
-
-    async def close(self) -> None:
-        self.shutdown()
 
     def shutdown(self) -> None:
         if self._closed:
@@ -251,8 +230,8 @@ class TritonEngine(TokenizerFront):
 
         inputs = infer_inputs({"text_input": np.array([b""], dtype=object), "max_tokens": np.array([1], dtype=np.int32)})
         try:
-            self._client.async_stream_infer(self.model, inputs, request_id=f"{p.req.request_id}/stop",
-                                            parameters={KEY_PARAMETER: p.req.request_id, STOP_PARAMETER: True})
+            self._client.async_stream_infer(self.model, inputs, request_id=f"{p.stream.request_id}/stop",
+                                            parameters={KEY_PARAMETER: p.stream.request_id, STOP_PARAMETER: True})
         except Exception:  # noqa: BLE001 - the grace timer finalises it
             pass
 
@@ -263,28 +242,14 @@ class TritonEngine(TokenizerFront):
             now = time.monotonic()
             with self._lock:
                 for p in list(self._pending.values()):
-                    if p.req.deadline is not None and now >= p.req.deadline and p.stop_sent is None:
+                    if p.stream.request.deadline is not None and now >= p.stream.request.deadline and p.stop_sent is None:
                         self._send_stop(p, "timeout")
                         self._finish(p, "timeout")
                     elif p.stop_sent is not None and now - p.stop_sent > CANCEL_GRACE_SECONDS:
                         self._finish(p, p.end_reason)
 
-    def _emit(self, p: _Pending, ev: Event) -> None:
-        emit(p.loop, p.out, ev)
-
-    def _finish(self, p: _Pending, reason: str, stop_string: Optional[str] = None, overhang: str = "",
-                error: str = "") -> None:
+    def _finish(self, p: _Pending, reason: FinishReason, error: str = "") -> None:
         if p.done:
             return
-        p.done = True
-        self._pending.pop(p.req.request_id, None)
-        if stop_string is None and reason != "error":
-            tail = flush_text(p.detok, p.stopper)
-            if tail:
-                p.text.append(tail)
-                self._emit(p, Delta((), tail))
-        now = time.monotonic()
-        self._emit(p, Final(request_id=p.req.request_id, finish_reason=reason, text="".join(p.text),  # type: ignore[arg-type]
-                            token_ids=tuple(p.generated), prompt_tokens=p.prompt_tokens, stop_string=stop_string,
-                            overhang=overhang, error=error, queue_seconds=(p.first or now) - p.submitted,
-                            seconds=now - p.submitted))
+        self._pending.pop(p.stream.request_id, None)
+        p.stream.finish(reason, error)

@@ -16,6 +16,8 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
+from trtbuild.core.layout import Layout
+
 
 class RecipeError(ValueError):
     """A recipe is wrong; the message is one line: `file: key: what is wrong (value)`."""
@@ -255,6 +257,17 @@ class Recipe:
     def out_dir(self) -> Path:
         """Build outputs: `engines/<name>/` next to the recipe file."""
         return self.root / self.name
+
+    @property
+    def layout(self) -> "Layout":
+        """Where each stage's output lives under `out_dir`."""
+        return Layout(self.out_dir)
+
+    def source_model(self, name: str) -> Path:
+        """The HF checkpoint of source `name`: an hf source in place, any other as the sources stage
+        writes it (valid once that stage has run)."""
+        src = self.sources[name]
+        return self.resolve(src.path) if isinstance(src, HFSource) else self.layout.source_model(name)
 
     def resolve(self, p: str) -> Path:
         q = Path(p).expanduser()

@@ -1,0 +1,89 @@
+"""The engine backends by name, imported lazily, and the one way to open an engine folder.
+
+    engine = open_engine("engines/mix/build/embedded")          # reads engine.json
+    engine = open_for_recipe(recipe, "auto")                     # the recipe's built engine
+
+| backend  | driver                          | serves                                   |
+|----------|---------------------------------|------------------------------------------|
+| embedded | `server.embedded.engine`        | an embedded engine folder or an HF checkpoint |
+| trtllm   | `server.trtllm.engine`          | a TensorRT-LLM engine folder (its environment) |
+| triton   | `server.triton.engine`          | any Triton deployment of the ensemble interface |
+
+`auto` has one meaning everywhere (build and serving): TensorRT-LLM where this machine can use it,
+else embedded. For serving, "can use" is "a trtllm engine folder was built and this python imports
+`tensorrt_llm`" (serving runs in-process; the build runs TensorRT-LLM's tools in their own
+environment, see `trtbuild/backends.py`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+from trtbuild.core.layout import ENGINE_FILE, Layout
+
+DRIVERS = {
+    "embedded": ("server.embedded.engine", "EmbeddedEngine"),
+    "trtllm": ("server.trtllm.engine", "TrtllmEngine"),
+    "triton": ("server.triton.engine", "TritonEngine"),
+}
+SERVING_BACKENDS = ("auto", *DRIVERS)
+
+
+def driver(backend: str) -> Any:
+    """The engine class of a backend (its module imported only now)."""
+    if backend not in DRIVERS:
+        raise ValueError(f"unknown backend {backend!r} (known: {', '.join(DRIVERS)})")
+    module, cls = DRIVERS[backend]
+    return getattr(importlib.import_module(module), cls)
+
+
+def read_engine_file(folder: str | Path) -> dict[str, Any]:
+    """`engine.json` of an engine folder, with errors that name the file and what is wrong."""
+    path = Path(folder) / ENGINE_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no engine folder here; run `make engine` first")
+    try:
+        spec = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e}); rebuild it with `make build`") from None
+    if not isinstance(spec, dict) or spec.get("backend") not in DRIVERS:
+        raise ValueError(f"{path}: backend must be one of {', '.join(DRIVERS)} "
+                         f"(got {spec.get('backend') if isinstance(spec, dict) else spec!r})")
+    return spec
+
+
+def open_engine(folder: str | Path, **overrides: Any) -> Any:
+    """Serve an engine folder with the backend its `engine.json` names (embedded or trtllm)."""
+    spec = read_engine_file(folder)
+    return driver(spec["backend"]).from_dir(folder, **overrides)
+
+
+def serving_backend(layout: Layout, requested: str) -> str:
+    """The backend that serves `layout`'s engine for `requested` (see the module doc for `auto`)."""
+    if requested not in SERVING_BACKENDS:
+        raise ValueError(f"backend {requested!r}: serving knows {', '.join(SERVING_BACKENDS)}")
+    if requested != "auto":
+        return requested
+    usable = importlib.util.find_spec("tensorrt_llm") is not None
+    return "trtllm" if usable and layout.has_engine("trtllm") else "embedded"
+
+
+def open_for_recipe(recipe: Any, backend: str = "auto", triton_url: str = "localhost:8001") -> Any:
+    """The engine that serves a recipe's build: its engine folder, or a Triton server in front of it."""
+    layout: Layout = recipe.layout
+    chosen = serving_backend(layout, backend)
+    if chosen == "triton":  # whichever engine the server runs; the tokenizer comes from its engine folder
+        for kind in ("trtllm", "embedded"):
+            model_dir = layout.engine(kind) / "model"
+            if (model_dir / "tokenizer_config.json").is_file():
+                return driver("triton")(triton_url, str(model_dir))
+        raise FileNotFoundError(f"{layout.build}: no engine folder (its tokenizer); run `make engine` first")
+    folder = layout.engine(chosen)
+    if not layout.has_engine(chosen):
+        raise FileNotFoundError(f"{layout.engine_file(chosen)}: no {chosen} engine; run "
+                                f"`make engine MODEL={recipe.name} BACKEND={chosen}` first")
+    return open_engine(folder)

@@ -1,0 +1,142 @@
+"""One request stream for every backend: the per-request bookkeeping between a driver and its caller.
+
+A backend is only its driver (the embedded scheduler thread, the TensorRT-LLM executor poller, the
+Triton gRPC stream). Whatever produces token ids hands them to `RequestStream.push`; the stream
+decodes them incrementally, matches stop strings on the text (so "stop" means the same on every
+backend, also for a string split over tokens), keeps the generated tokens, text and timing, and
+sends `Delta`s to the caller's asyncio queue from whichever thread the driver runs on. `finish`
+emits the request's one `Final` (a second call is a no-op), so every request ends exactly once.
+
+`EngineBase` gives every backend the same `generate` / `close` and the tokenizer methods of the
+engine protocol; a driver implements `_submit(stream)`, `cancel(request_id)` and `shutdown()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, AsyncIterator, Optional, Sequence
+
+from server.protocol import Delta, Event, Final, FinishReason, Request, stream_events
+from server.textstream import IncrementalDetokenizer, StopMatcher
+from trtbuild.core.chat import encode, render_prompt
+
+Logprobs = Optional[tuple[tuple[tuple[int, float], ...], ...]]
+
+
+class RequestStream:
+    """The state of one request between its driver and its caller (see the module doc)."""
+
+    def __init__(self, request: Request, prompt: list[int], tokenizer: Any, loop: asyncio.AbstractEventLoop):
+        self.request = request
+        self.prompt = prompt
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.stopper = StopMatcher(request.params.stop)
+        self.generated: list[int] = []
+        self.text: list[str] = []
+        self.submitted = time.monotonic()
+        self.scheduled: Optional[float] = None  # first scheduled (or first token, where the driver cannot tell)
+        self.cached_tokens = 0
+        self.stop_string: Optional[str] = None  # the stop string matched, once `push` found one
+        self.overhang = ""
+        self.done = False
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def params(self) -> Any:
+        return self.request.params
+
+    def emit(self, event: Event) -> None:
+        """Hand an event to the caller's queue from any thread (a closed loop: nobody listens)."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        except RuntimeError:
+            pass
+
+    def push(self, ids: Sequence[int], logprobs: Logprobs = None, text: bool = True) -> Optional[str]:
+        """New tokens from the driver; returns the stop string when one is now matched (then finish).
+
+        `text=False` appends tokens that decode to nothing the caller should see (an end-of-sequence
+        token): they count as generated but never reach the detokenizer.
+        """
+        if self.done or not ids:
+            return None
+        if self.scheduled is None:
+            self.scheduled = time.monotonic()
+        ids = [int(t) for t in ids]
+        self.generated.extend(ids)
+        piece, matched, overhang = ("", None, "") if not text else self.stopper.feed(self.detok.push(ids))
+        self.text.append(piece)
+        self.emit(Delta(tuple(ids), piece, logprobs))
+        if matched is not None:
+            self.stop_string, self.overhang = matched, overhang + self.detok.flush()
+        return matched
+
+    def finish(self, reason: FinishReason, error: str = "") -> bool:
+        """Emit the one Final (text still held back is flushed first, except after an error or a
+        stop string); False when the request had already ended."""
+        if self.done:
+            return False
+        self.done = True
+        if self.stop_string is None and reason != "error":
+            tail = self.stopper.feed(self.detok.flush())[0] + self.stopper.flush()
+            if tail:
+                self.text.append(tail)
+                self.emit(Delta((), tail))
+        now = time.monotonic()
+        self.emit(Final(
+            request_id=self.request_id, finish_reason=reason, text="".join(self.text),
+            token_ids=tuple(self.generated), prompt_tokens=len(self.prompt), stop_string=self.stop_string,
+            overhang=self.overhang, error=error, cached_tokens=self.cached_tokens,
+            queue_seconds=(self.scheduled or now) - self.submitted, seconds=now - self.submitted))
+        return True
+
+    async def events(self, cancel: Any) -> AsyncIterator[Event]:
+        """The caller's side: deltas up to and including the Final; an abandoned stream calls `cancel`."""
+        async for ev in stream_events(self.queue, cancel):
+            yield ev
+
+
+class EngineBase:
+    """The engine protocol's shared half: tokenizer methods and `generate` over `RequestStream`."""
+
+    name = "engine"
+    tokenizer: Any
+    _closed = False
+
+    def tokenize(self, text: str) -> list[int]:
+        """Ids of chat-formatted text: the template already holds the special tokens."""
+        return encode(self.tokenizer, text)
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def chat_prompt(self, problem: str, system_prompt: Optional[str] = None) -> str:
+        return render_prompt(self.tokenizer, problem, system_prompt)
+
+    async def generate(self, request: Request) -> AsyncIterator[Event]:
+        if self._closed:
+            raise RuntimeError(f"{self.name} engine is closed")
+        prompt = self.tokenize(request.prompt) if isinstance(request.prompt, str) else [int(t) for t in request.prompt]
+        stream = RequestStream(request, prompt, self.tokenizer, asyncio.get_running_loop())
+        self._submit(stream)
+        async for ev in stream.events(lambda: self.cancel(request.request_id)):
+            yield ev
+
+    def _submit(self, stream: RequestStream) -> None:
+        """Hand a new request to the driver (which may finish it at once, e.g. with an error)."""
+        raise NotImplementedError
+
+    def cancel(self, request_id: str) -> None:
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        self.shutdown()

@@ -1,0 +1,46 @@
+"""The chat format, in one place: messages, the rendered prompt, token ids, the tool output block.
+
+The build pipeline (calibration text, quality prompts, synthetic traces, drafter data) and the
+runtime (every engine backend's `chat_prompt`, the TIR client) all go through these functions, so
+what the model was calibrated, priced and trained on is byte for byte what it is served.
+transformers is imported only inside `load_tokenizer`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+from trtbuild.core.recipe import CodeTags
+
+
+def chat_messages(problem: str, system_prompt: Optional[str] = None) -> list[dict[str, str]]:
+    msgs = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    return msgs + [{"role": "user", "content": problem}]
+
+
+def render_prompt(tokenizer: Any, problem: str, system_prompt: Optional[str] = None) -> str:
+    """The chat-formatted prompt text, ending where the assistant starts writing."""
+    return tokenizer.apply_chat_template(chat_messages(problem, system_prompt), tokenize=False,
+                                         add_generation_prompt=True)
+
+
+def encode(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of already chat-formatted text (the template supplies the special tokens)."""
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """The HF tokenizer of a checkpoint or engine `model/` folder (pad falls back to eos)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def output_block(tags: CodeTags, output: str) -> str:
+    """The block appended after a code block: the tool's output, newline-terminated unless empty."""
+    body = output if not output or output.endswith("\n") else output + "\n"
+    return f"{tags.output_start}{body}{tags.output_end}"

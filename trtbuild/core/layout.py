@@ -1,0 +1,99 @@
+"""Where things live under `engines/<model>/`: one object instead of path joins spread over the code.
+
+    engines/<model>/
+      sources/<name>/model/      each source as an HF checkpoint (hf sources are used in place)
+      merge/model/               the merged checkpoint
+      quantize/<fmt>/{hf,trtllm}/  ModelOpt exports: unified HF checkpoint, TensorRT-LLM checkpoint
+      drafter/model/             the ReDrafter head (TensorRT-LLM converter layout)
+      build/<backend>/           an engine folder: engine.json + model/ (+ engine/ TensorRT plans)
+      trtllm/                    TensorRT-LLM work folders (checkpoint, calibration, redrafter)
+      triton/, kaggle/           deployments made from an engine folder
+
+Each stage folder holds a `manifest.json` once the stage has finished.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+ENGINE_FILE = "engine.json"  # what a runtime reads to serve an engine folder
+
+
+@dataclass(frozen=True)
+class Layout:
+    root: Path  # engines/<model>/
+
+    # ---- stage folders (each has a manifest.json when done)
+    @property
+    def sources(self) -> Path:
+        return self.root / "sources"
+
+    def source(self, name: str) -> Path:
+        return self.sources / name
+
+    def source_model(self, name: str) -> Path:
+        return self.source(name) / "model"
+
+    @property
+    def merge(self) -> Path:
+        return self.root / "merge"
+
+    @property
+    def merged(self) -> Path:
+        """The merged HF checkpoint (the bf16 weights every later stage starts from)."""
+        return self.merge / "model"
+
+    @property
+    def quantize(self) -> Path:
+        return self.root / "quantize"
+
+    def quantize_format(self, fmt: str) -> Path:
+        return self.quantize / fmt
+
+    def quantized(self, fmt: str) -> Path:
+        """The unified HF export of one format (what the embedded runtime serves)."""
+        return self.quantize_format(fmt) / "hf"
+
+    def quantized_trtllm(self, fmt: str) -> Path:
+        """The TensorRT-LLM checkpoint export of one format."""
+        return self.quantize_format(fmt) / "trtllm"
+
+    @property
+    def drafter(self) -> Path:
+        return self.root / "drafter"
+
+    @property
+    def drafter_model(self) -> Path:
+        return self.drafter / "model"
+
+    @property
+    def build(self) -> Path:
+        return self.root / "build"
+
+    def engine(self, backend: str) -> Path:
+        """An engine folder: what one backend serves (`engine.json` + `model/`)."""
+        return self.build / backend
+
+    def engine_file(self, backend: str) -> Path:
+        return self.engine(backend) / ENGINE_FILE
+
+    def has_engine(self, backend: str) -> bool:
+        return self.engine_file(backend).is_file()
+
+    # ---- work and deployment folders
+    @property
+    def trtllm_work(self) -> Path:
+        return self.root / "trtllm"
+
+    @property
+    def triton(self) -> Path:
+        return self.root / "triton"
+
+    @property
+    def kaggle(self) -> Path:
+        return self.root / "kaggle"
+
+    def weights(self, quantization: str) -> Path:
+        """The HF weights of a `build.quantization` value: the merged model for bf16, else its export."""
+        return self.merged if quantization == "bf16" else self.quantized(quantization)
