@@ -9,7 +9,8 @@ VENV    ?= .venv
 PY      := $(VENV)/bin/python
 RECIPE  := engines/$(MODEL).yaml
 OUT     := engines/$(MODEL)
-TB      := $(PY) -m trtbuild --recipe $(RECIPE)
+FORCE   ?=
+TB      := TRTBUILD_FORCE=$(FORCE) $(PY) -m trtbuild --recipe $(RECIPE)
 SETUP   := $(VENV)/.setup-done
 PYTEST_ARGS ?=
 PROBLEMS ?= engines/problems/smoke.csv
@@ -73,30 +74,27 @@ triton-setup: $(TRITON_SETUP)
 check: $(SETUP)
 	$(TB) check
 
-$(OUT)/sources/manifest.json: $(RECIPE) $(SETUP) trtbuild/sources.py trtbuild/tir_finetune.py trtbuild/tir_data.py
+# Every stage target calls its stage, which decides by itself whether it is stale (its fingerprint:
+# recipe section, upstream fingerprints, inputs, VERSION; see trtbuild/stages.py) and otherwise
+# skips in a second. FORCE=<stage>[,<stage>] (or all) rebuilds even an up-to-date stage.
+sources: $(SETUP)
 	@echo "== sources: $(RECIPE) -> $(OUT)/sources/"
 	$(TB) sources
 
-$(OUT)/merge/manifest.json: $(OUT)/sources/manifest.json merge/run.py merge/config.py trtbuild/quality.py
+merge: sources
 	@echo "== merge: -> $(OUT)/merge/"
 	$(TB) merge
 
-$(OUT)/quantize/manifest.json: $(OUT)/merge/manifest.json trtbuild/quantize.py server/embedded/loader.py server/embedded/qlinear.py
+quantize: merge
 	@echo "== quantize: -> $(OUT)/quantize/"
 	$(TB) quantize
 
-sources: $(OUT)/sources/manifest.json
-merge: $(OUT)/merge/manifest.json
-quantize: $(OUT)/quantize/manifest.json
-
 # drafter.kind none: a no-op; otherwise train (or take) a ReDrafter head and measure its acceptance.
-# Always invoked: the stage itself skips when its fingerprint matches.
-drafter: $(OUT)/quantize/manifest.json
+drafter: quantize
 	@echo "== drafter: -> $(OUT)/drafter/"
 	$(TB) drafter
 
-# The backend is resolved at run time (auto = trtllm if usable, else embedded); the stage itself
-# is a no-op when its fingerprint matches, so it is always invoked.
+# The backend is resolved at run time (auto = trtllm if usable, else embedded).
 build: drafter
 	@echo "== build: backend $(BACKEND) -> $(OUT)/build/"
 	$(TB) build --backend $(BACKEND)

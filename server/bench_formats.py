@@ -42,8 +42,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from trtbuild.core.recipe import load_recipe
 
     recipe = load_recipe(args.recipe)
-    dirs = {"bf16": recipe.out_dir / "merge" / "model",
-            **{f: recipe.out_dir / "quantize" / f / "hf" for f in recipe.quantize.formats}}
+    dirs = {f: recipe.layout.weights(f) for f in ("bf16", *recipe.quantize.formats)}
     rows = []
     for name, d in dirs.items():
         if not (d / "config.json").is_file():

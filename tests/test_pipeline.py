@@ -72,7 +72,7 @@ def test_merged_weights_are_the_weighted_sum(qwen_build, tiny_models):
 def test_arithmetic_check_catches_a_wrong_tensor(qwen_build, tiny_models, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from merge.run import check_arithmetic
+    from merge.check import check_arithmetic
 
     out = qwen_build.out_dir
     t = load_file(str(out / "merge" / "model" / "model.safetensors"))
@@ -178,6 +178,42 @@ def test_recipe_change_reruns_only_affected_stages(qwen_build, tmp_path):
     assert main(["engine", "--recipe", str(path), "--backend", "embedded"]) == 0
     after = _finished(qwen_build.out_dir)
     assert {d for d in STAGE_DIRS if after[d] != before[d]} == {"build/embedded"}
+
+
+def test_code_change_is_reported_not_silent_and_force_rebuilds(qwen_build, monkeypatch, capfd):
+    """One staleness rule: the fingerprint decides; a code edit without a VERSION bump is reported
+    on the skipped stage, and FORCE rebuilds exactly the named stage."""
+    from trtbuild import stages
+
+    real = stages.code_hashes
+    monkeypatch.setattr(stages, "code_hashes",
+                        lambda name: {**real(name), "trtbuild/quality.py": "edited"} if name == "merge" else real(name))
+    before = _finished(qwen_build.out_dir)
+    capfd.readouterr()
+    assert main(["merge", "--recipe", str(qwen_build.path)]) == 0
+    err = capfd.readouterr().err
+    assert "trtbuild/quality.py changed since this was built" in err and "FORCE=merge" in err
+    assert _finished(qwen_build.out_dir) == before
+    monkeypatch.setattr(stages, "code_hashes", real)
+    monkeypatch.setenv(stages.FORCE_ENV, "build")
+    assert main(["engine", "--recipe", str(qwen_build.path), "--backend", "embedded"]) == 0
+    err = capfd.readouterr().err
+    assert "[build] embedded: building" in err and "[build] up to date" not in err
+    assert "[merge] up to date" in err and "[quantize] up to date" in err
+    after = _finished(qwen_build.out_dir)
+    assert {d for d in STAGE_DIRS if after[d] != before[d]} <= {"build/embedded"}
+
+
+def test_stage_table_matches_the_layout(qwen_build):
+    """Every stage of the table has run; its manifest records the hashes of the stage's code."""
+    from trtbuild import stages
+
+    layout = qwen_build.layout
+    folders = {"sources": layout.sources, "merge": layout.merge, "quantize": layout.quantize,
+               "build": layout.engine("embedded")}
+    for name, folder in folders.items():
+        m = mf.read_manifest(folder)
+        assert m and set(m["code"]) == set(stages.code_hashes(name)) and m["code"], name
 
 
 def test_solve_end_to_end_on_the_built_engine(qwen_build, tmp_path, capsys):

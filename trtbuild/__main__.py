@@ -1,9 +1,10 @@
 """Command line of the build pipeline: `python -m trtbuild STAGE --recipe engines/mix.yaml`.
 
-Stages: sources, merge, quantize, build; `engine` runs them all in order; `check` validates a
-recipe; `report` summarises the manifests of a finished build; `doctor` says which backends this
-machine can use and why not. Each stage skips itself when its
-fingerprint (inputs, recipe section, code) matches the finished output.
+Stages (the table in `trtbuild/stages.py`): sources, merge, quantize, drafter, build; `engine` runs
+them all in order; `check` validates a recipe; `report` summarises the manifests of a finished
+build; `doctor` says which backends this machine can use and why not. Each stage skips itself when
+its fingerprint (recipe section, upstream fingerprints, inputs, VERSION) matches the finished
+output; `TRTBUILD_FORCE=<stage>` (`make ... FORCE=<stage>`) rebuilds it anyway.
 """
 
 from __future__ import annotations
@@ -15,33 +16,14 @@ import traceback
 from pathlib import Path
 
 from trtbuild import manifest as mf
+from trtbuild import stages
 from trtbuild.core.recipe import Recipe, RecipeError, load_recipe
 
-STAGES = ("sources", "merge", "quantize", "drafter", "build")
+STAGES = stages.NAMES
 
 
 def run_stage(name: str, recipe: Recipe, backend: str) -> Path | None:
-    if name == "sources":
-        from trtbuild import sources
-
-        return sources.run(recipe)
-    if name == "merge":
-        from merge import run as merge_run
-
-        return merge_run.run(recipe)
-    if name == "quantize":
-        from trtbuild import quantize
-
-        return quantize.run(recipe)
-    if name == "drafter":
-        from trtbuild.drafter import stage as drafter_stage
-
-        return drafter_stage.run(recipe)
-    if name == "build":
-        from trtbuild import build
-
-        return build.run(recipe, backend)
-    raise ValueError(name)
+    return stages.run(recipe, name, **({"backend": backend} if name == "build" else {}))
 
 
 def _mb(n: int | None) -> str:
@@ -50,18 +32,18 @@ def _mb(n: int | None) -> str:
 
 def report(recipe: Recipe) -> str:
     """A human summary of the finished stages (times, sizes, checks, quality)."""
-    out = recipe.out_dir
-    lines = [f"# {recipe.name}: {out}"]
-    src = mf.read_manifest(out / "sources")
+    layout = recipe.layout
+    lines = [f"# {recipe.name}: {layout.root}"]
+    src = mf.read_manifest(layout.sources)
     for name in recipe.sources:
-        m = mf.read_manifest(out / "sources" / name)
+        m = mf.read_manifest(layout.source(name))
         if m:
             t = m.get("training")
             extra = f", TIR loss {t['heldout_loss_before']} -> {t['heldout_loss_after']}" if t else ""
             lines.append(f"sources/{name}: {m['seconds']}s, {_mb(m['size_bytes'])}{extra}")
     if src is None:
         lines.append("sources: not built")
-    m = mf.read_manifest(out / "merge")
+    m = mf.read_manifest(layout.merge)
     if m:
         c = m["arithmetic_check"]
         lines.append(f"merge: {m['seconds']}s (mergekit {m['merge_seconds']}s), {_mb(m['size_bytes'])}, "
@@ -72,7 +54,7 @@ def report(recipe: Recipe) -> str:
                              f"reply len {v['reply_len']:.1f} vs {v['reply_len_ref']:.1f}, code calls "
                              f"{v['code_calls']:.2f} vs {v['code_calls_ref']:.2f}")
     for fmt in recipe.quantize.formats:
-        m = mf.read_manifest(out / "quantize" / fmt)
+        m = mf.read_manifest(layout.quantize_format(fmt))
         if m:
             q = m["quality"]
             lines.append(f"quantize/{fmt}: {m['seconds']}s, hf {_mb(m['hf_bytes'])}, trtllm {_mb(m['trtllm_bytes'])}, "
@@ -80,14 +62,14 @@ def report(recipe: Recipe) -> str:
             lines.append(f"  {fmt} vs bf16: KL {q['kl_mean']:.4f}, agreement {q['token_agreement']:.1%}, reply len "
                          f"{q['reply_len']:.1f} vs {q['reply_len_ref']:.1f}, code calls {q['code_calls']:.2f} vs "
                          f"{q['code_calls_ref']:.2f}" + (f"  [flagged: {'; '.join(m['quality_flags'])}]" if m.get("quality_flags") else ""))
-    m = mf.read_manifest(out / "drafter")
+    m = mf.read_manifest(layout.drafter)
     if m:
         a, tr = m["acceptance"], m.get("training")
         cost = f", trained in {tr['train_seconds']}s on {tr['positions']} positions" if tr else " (given)"
         lines.append(f"drafter: {m['seconds']}s{cost}; {a['num_beams']}x{a['draft_len_per_beam']} drafts: "
                      f"{a['tokens_per_step']:.2f} tokens/step, acceptance per position {a['acceptance_at_position']}")
     for backend in ("embedded", "trtllm"):
-        m = mf.read_manifest(out / "build" / backend)
+        m = mf.read_manifest(layout.engine(backend))
         if m:
             lines.append(f"build/{backend}: {m['seconds']}s, {_mb(m['size_bytes'])}, serves {m['quantization']}")
     return "\n".join(lines)

@@ -11,33 +11,23 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from pathlib import Path
 from typing import Any
 
 from trtbuild import backends
 from trtbuild import manifest as mf
+from trtbuild import stages
+from trtbuild.core.layout import ENGINE_FILE
 from trtbuild.core.recipe import Recipe
 
 VERSION = 1  # bump when the output of this stage changes for the same inputs
 STAGE = "build"
-ENGINE_FILE = "engine.json"
-
-
-def weights_dir(recipe: Recipe) -> Path:
-    q = recipe.build.quantization
-    if q == "bf16":
-        return recipe.out_dir / "merge" / "model"
-    return recipe.out_dir / "quantize" / q / "hf"
 
 
 def fingerprint(recipe: Recipe, backend: str) -> str:
-    from merge.run import fingerprint as merge_fp
-    from trtbuild.quantize import fingerprint as quant_fp
     from trtbuild.trtllm.preflight import drafter_dir
 
-    q = recipe.build.quantization
-    upstream = merge_fp(recipe) if q == "bf16" else quant_fp(recipe, q, merge_fp(recipe))
+    upstream = stages.weights_fingerprint(recipe)
     drafter = drafter_dir(recipe)
     weights = drafter / "model.safetensors" if drafter else None
     drafter_stat = (weights.stat().st_size, weights.stat().st_mtime_ns) if weights and weights.is_file() else None
@@ -69,28 +59,28 @@ def run(recipe: Recipe, backend: str = "auto", trtllm_env: Any = None, runner: A
     the subprocess runner (the contract tests use them)."""
     requested = backend if backend != "auto" else recipe.build.backend
     chosen = "trtllm" if trtllm_env is not None and requested in ("auto", "trtllm") else backends.resolve(requested)
-    final = recipe.out_dir / STAGE / chosen
+    layout = recipe.layout
+    final = layout.engine(chosen)
     fp = fingerprint(recipe, chosen)
-    if mf.up_to_date(final, fp, STAGE):
+    if stages.current(STAGE, final, fp):
         return final
     # embedded serves the quantized HF export; trtllm converts from the merged model (and the quantize
     # stage's TensorRT-LLM export when trtllm.fp8_checkpoint says so) and needs only its tokenizer here
-    src = weights_dir(recipe) if chosen == "embedded" else recipe.out_dir / "merge" / "model"
+    src = layout.weights(recipe.build.quantization) if chosen == "embedded" else layout.merged
     if not (src / "config.json").is_file():
         raise FileNotFoundError(f"build: no weights at {src}: run the earlier stages first")
     steps = None
     if chosen == "trtllm":  # everything that can fail without a GPU fails here, before any command runs
-        from merge.run import fingerprint as merge_fp
         from trtbuild.trtllm import build as tb
         from trtbuild.trtllm import preflight
         from trtbuild.trtllm.env import probe
 
         env = trtllm_env or probe()
         preflight.require(recipe, env, preflight.read_json(src / "config.json"))
-        steps = tb.plan(recipe, env, upstream=merge_fp(recipe))
-    started = time.time()
+        steps = tb.plan(recipe, env, upstream=stages.fingerprint(recipe, "merge"))
     mf.log(STAGE, f"{chosen}: building {recipe.build.quantization} from {src} ...")
-    with mf.stage_dir(final) as tmp:
+
+    def make(tmp: Path) -> dict[str, Any]:
         extra: dict[str, Any] = {}
         if chosen == "embedded":
             shutil.copytree(src, tmp / "model", ignore=shutil.ignore_patterns(mf.MANIFEST))
@@ -100,7 +90,9 @@ def run(recipe: Recipe, backend: str = "auto", trtllm_env: Any = None, runner: A
             # the tokenizer (and HF config) the runtime detokenizes with; weights live in the engine
             shutil.copytree(src, tmp / "model", ignore=shutil.ignore_patterns("*.safetensors", mf.MANIFEST))
         (tmp / ENGINE_FILE).write_text(json.dumps(engine_config(recipe, chosen), indent=2) + "\n")
-        mf.write_manifest(tmp, f"{STAGE}/{chosen}", fp, started, backend=chosen, weights=str(src),
-                          quantization=recipe.build.quantization, files=mf.hash_tree(tmp), **extra)
+        return dict(backend=chosen, weights=str(src), quantization=recipe.build.quantization,
+                    files=mf.hash_tree(tmp), **extra)
+
+    stages.produce(f"{STAGE}/{chosen}", final, fp, make)
     mf.log(STAGE, f"{chosen}: engine ready in {final}")
     return final

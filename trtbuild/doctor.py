@@ -43,7 +43,7 @@ def report(recipe: Optional[Recipe] = None, env: Optional[TrtllmEnv] = None) -> 
     lines.append(f"{EXAMPLES_ENV:<16} {env.examples or 'not found (needed for FP8 calibration and ReDrafter)'}")
     usable = ok_emb
     if recipe is not None:
-        merged = recipe.out_dir / "merge" / "model" / "config.json"
+        merged = recipe.layout.merged / "config.json"
         wanted = recipe.build.backend
         lines.append("")
         lines.append(f"recipe {recipe.path}: build.backend {wanted}, quantization {recipe.build.quantization}, "

@@ -1,11 +1,7 @@
-"""Stage bookkeeping: fingerprints, atomic output folders and `manifest.json`.
+"""Stage bookkeeping primitives: fingerprints, file hashes, atomic output folders, `manifest.json`.
 
-Each stage module has a `VERSION`: bump it when a code change alters what the stage writes, so
-outputs built by the old code are redone (a refactor that changes nothing keeps them).
-
-A stage's output folder appears only when the stage has finished (it is built in a temporary
-sibling and renamed), so a failed or interrupted run leaves every earlier stage intact and the
-next run resumes at the first stage whose fingerprint no longer matches.
+The rules that use them (when a stage is stale, the skip / scratch / rename guard) live in
+`trtbuild.stages`, once.
 """
 
 from __future__ import annotations
@@ -82,17 +78,8 @@ def is_current(folder: Path, fp: str) -> bool:
 
 
 def touch(folder: Path) -> None:
-    """Refresh the manifest's mtime so Make sees an up-to-date stage as newer than its inputs."""
+    """Refresh the manifest's mtime (a finished stage reads as newer than what it was built from)."""
     (folder / MANIFEST).touch()
-
-
-def up_to_date(folder: Path, fp: str, stage: str) -> bool:
-    """True (logged, manifest touched) when `folder` already holds this fingerprint's output."""
-    if not is_current(folder, fp):
-        return False
-    touch(folder)
-    log(stage, f"up to date ({folder})")
-    return True
 
 
 @contextlib.contextmanager

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from trtbuild import manifest as mf
+from trtbuild import stages
 from trtbuild.core.recipe import Recipe
 
 VERSION = 1  # bump when the output of this stage changes for the same inputs
@@ -77,7 +78,7 @@ def reload_error(original: dict[str, Any], model: Any) -> dict[str, float]:
     return {"layers": n, "max_error_over_bound": worst}
 
 
-def fingerprint(recipe: Recipe, fmt: str, merged_fp: str) -> str:
+def format_fingerprint(recipe: Recipe, fmt: str, merged_fp: str) -> str:
     return mf.fingerprint({
         "format": fmt, "kv": recipe.quantize.kv_cache_dtype, "calibration": recipe.section("quantize")["calibration"],
         "quality": recipe.section("quality"), "tags": recipe.section("serving")["code_tags"],
@@ -85,7 +86,15 @@ def fingerprint(recipe: Recipe, fmt: str, merged_fp: str) -> str:
     })
 
 
-def _quantize_one(recipe: Recipe, fmt: str, merged_dir: Path, final: Path, fp: str, ref: Any) -> dict[str, Any]:
+def fingerprint(recipe: Recipe, fmt: str | None = None) -> str:
+    """One format's fingerprint, or (no `fmt`) the whole stage's."""
+    merged_fp = stages.fingerprint(recipe, "merge")
+    if fmt is not None:
+        return format_fingerprint(recipe, fmt, merged_fp)
+    return mf.fingerprint({f: format_fingerprint(recipe, f, merged_fp) for f in recipe.quantize.formats})
+
+
+def _quantize_one(recipe: Recipe, fmt: str, merged_dir: Path, final: Path, tmp: Path, ref: Any) -> dict[str, Any]:
     import modelopt.torch.quantization as mtq
     import torch
     from modelopt.torch.export import export_hf_checkpoint, export_tensorrt_llm_checkpoint
@@ -95,7 +104,6 @@ def _quantize_one(recipe: Recipe, fmt: str, merged_dir: Path, final: Path, fp: s
     from trtbuild.core.chat import load_tokenizer
     from trtbuild.quality import price
 
-    started = time.time()
     tok = load_tokenizer(merged_dir)
     model = load_model(merged_dir)
     original = {k: v.detach().clone() for k, v in model.state_dict().items() if k.endswith(".weight")}
@@ -113,64 +121,57 @@ def _quantize_one(recipe: Recipe, fmt: str, merged_dir: Path, final: Path, fp: s
     decoder = get_model_type(model)
     if decoder is None:
         raise ValueError(f"quantize: ModelOpt has no TensorRT-LLM decoder type for {type(model).__name__}")
-    with mf.stage_dir(final) as tmp:
-        t = time.time()
-        export_hf_checkpoint(model, export_dir=str(tmp / "hf"))
-        tok.save_pretrained(str(tmp / "hf"))
-        export_tensorrt_llm_checkpoint(model, decoder_type=decoder, dtype=torch.bfloat16, export_dir=str(tmp / "trtllm"),
-                                       inference_tensor_parallel=recipe.build.tp_size)
-        export_seconds = time.time() - t
-        del model
-        reloaded = load_model(tmp / "hf")
-        err = reload_error(original, reloaded)
-        mf.log(STAGE, f"{fmt}: reloaded {err['layers']} quantized layers, worst error "
-               f"{err['max_error_over_bound']:.3f} x rounding bound")
-        if err["max_error_over_bound"] > 1.0 + 1e-3:
-            raise RuntimeError(f"quantize: {fmt} weights reload outside their rounding bound: {err}")
-        mf.log(STAGE, f"{fmt}: quality vs bf16 on {len(ref['replies'].prompts)} recorded prompts ...")
-        p = price(ref["model"], reloaded, tok, ref["replies"], recipe.quality.max_new_tokens, recipe.serving.code_tags)
-        mf.log(STAGE, f"{fmt}: {p.summary()}")
-        flags = p.verdict(recipe.quality)
-        if flags:
-            mf.log(STAGE, f"WARNING: {fmt} is outside the recipe's quality thresholds: {'; '.join(flags)}")
-        manifest = mf.write_manifest(
-            tmp, f"{STAGE}/{fmt}", fp, started,
-            format=fmt, quant_algo=MODELOPT_ALGO[fmt], kv_cache_dtype=recipe.quantize.kv_cache_dtype,
-            decoder_type=decoder, calibration={"samples": len(calib), "tokens": sum(map(len, calib)),
-                                               "seconds": round(calib_seconds, 2)},
-            export_seconds=round(export_seconds, 2), reload_error=err, quality=p.as_dict(),
-            quality_flags=flags,
-            hf_dir=str(final / "hf"), trtllm_dir=str(final / "trtllm"),
-            hf_bytes=mf.dir_size(tmp / "hf"), trtllm_bytes=mf.dir_size(tmp / "trtllm"),
-            files=mf.hash_tree(tmp / "hf"),
-        )
-    return manifest
+    t = time.time()
+    export_hf_checkpoint(model, export_dir=str(tmp / "hf"))
+    tok.save_pretrained(str(tmp / "hf"))
+    export_tensorrt_llm_checkpoint(model, decoder_type=decoder, dtype=torch.bfloat16, export_dir=str(tmp / "trtllm"),
+                                   inference_tensor_parallel=recipe.build.tp_size)
+    export_seconds = time.time() - t
+    del model
+    reloaded = load_model(tmp / "hf")
+    err = reload_error(original, reloaded)
+    mf.log(STAGE, f"{fmt}: reloaded {err['layers']} quantized layers, worst error "
+           f"{err['max_error_over_bound']:.3f} x rounding bound")
+    if err["max_error_over_bound"] > 1.0 + 1e-3:
+        raise RuntimeError(f"quantize: {fmt} weights reload outside their rounding bound: {err}")
+    mf.log(STAGE, f"{fmt}: quality vs bf16 on {len(ref['replies'].prompts)} recorded prompts ...")
+    p = price(ref["model"], reloaded, tok, ref["replies"], recipe.quality.max_new_tokens, recipe.serving.code_tags)
+    mf.log(STAGE, f"{fmt}: {p.summary()}")
+    flags = p.verdict(recipe.quality)
+    if flags:
+        mf.log(STAGE, f"WARNING: {fmt} is outside the recipe's quality thresholds: {'; '.join(flags)}")
+    return dict(
+        format=fmt, quant_algo=MODELOPT_ALGO[fmt], kv_cache_dtype=recipe.quantize.kv_cache_dtype,
+        decoder_type=decoder, calibration={"samples": len(calib), "tokens": sum(map(len, calib)),
+                                           "seconds": round(calib_seconds, 2)},
+        export_seconds=round(export_seconds, 2), reload_error=err, quality=p.as_dict(),
+        quality_flags=flags,
+        hf_dir=str(final / "hf"), trtllm_dir=str(final / "trtllm"),
+        hf_bytes=mf.dir_size(tmp / "hf"), trtllm_bytes=mf.dir_size(tmp / "trtllm"),
+        files=mf.hash_tree(tmp / "hf"),
+    )
 
 
 def run(recipe: Recipe) -> Path:
-    from merge.run import fingerprint as merge_fingerprint
-
-    out = recipe.out_dir / STAGE
-    merged = recipe.out_dir / "merge"
-    m = mf.read_manifest(merged)
-    if m is None:
-        raise FileNotFoundError(f"quantize: no merged model in {merged}: run the merge stage first")
-    merged_fp = merge_fingerprint(recipe)
-    fps = {fmt: fingerprint(recipe, fmt, merged_fp) for fmt in recipe.quantize.formats}
+    layout = recipe.layout
+    out = layout.quantize
+    if mf.read_manifest(layout.merge) is None:
+        raise FileNotFoundError(f"quantize: no merged model in {layout.merge}: run the merge stage first")
+    merged_fp = stages.fingerprint(recipe, "merge")
+    fps = {fmt: format_fingerprint(recipe, fmt, merged_fp) for fmt in recipe.quantize.formats}
     stage_fp = mf.fingerprint(fps)
-    if mf.up_to_date(out, stage_fp, STAGE):
+    if stages.current(STAGE, out, stage_fp):
         return out
     started = time.time()
-    merged_dir = merged / "model"
+    merged_dir = layout.merged
     ref: dict[str, Any] | None = None
     results = {}
     for fmt in recipe.quantize.formats:
-        final = out / fmt
-        if not mf.up_to_date(final, fps[fmt], STAGE):
+        final = layout.quantize_format(fmt)
+        if not stages.current(f"{STAGE}/{fmt}", final, fps[fmt]):
             if ref is None:
-                from server.embedded.loader import load_model
+                from server.embedded.loader import load_model, use_all_cores
                 from trtbuild.core.chat import load_tokenizer
-                from server.embedded.loader import use_all_cores
                 from trtbuild.quality import quality_prompts, record_replies
 
                 use_all_cores()
@@ -179,11 +180,12 @@ def run(recipe: Recipe) -> Path:
                 mf.log(STAGE, "recording bf16 reference replies ...")
                 ref = {"model": ref_model, "replies": record_replies(
                     ref_model, tok, quality_prompts(recipe, tok), recipe.quality.max_new_tokens)}
-            _quantize_one(recipe, fmt, merged_dir, final, fps[fmt], ref)
+            reference = ref
+            stages.produce(f"{STAGE}/{fmt}", final, fps[fmt],
+                           lambda tmp, fmt=fmt, final=final: _quantize_one(recipe, fmt, merged_dir, final, tmp, reference))
         results[fmt] = mf.read_manifest(final)
-    out.mkdir(parents=True, exist_ok=True)
-    mf.write_manifest(
-        out, STAGE, stage_fp, started, merged_bytes=mf.dir_size(merged_dir),
+    stages.summarize(
+        STAGE, out, stage_fp, started, merged_bytes=mf.dir_size(merged_dir),
         formats={f: {"hf_bytes": r["hf_bytes"], "trtllm_bytes": r["trtllm_bytes"], "quality": r["quality"],
                      "seconds": r["seconds"]} for f, r in results.items()},
     )

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from trtbuild import manifest as mf
+from trtbuild import stages
 from trtbuild.core.recipe import GGUFPackageSource, HFSource, Recipe, RecipeError, TIRFinetuneSource, to_data
 from trtbuild.tir_data import VERSION as TIR_VERSION
 
@@ -45,11 +46,6 @@ def gguf_to_hf(path: Path, out: Path) -> None:
     tok.save_pretrained(str(out))
 
 
-def source_dir(recipe: Recipe, name: str) -> Path:
-    """Where the merge reads source `name` from (valid once the stage has run)."""
-    return recipe.source_model(name)
-
-
 def _fingerprint(recipe: Recipe, name: str) -> str:
     src = recipe.sources[name]
     data: dict[str, Any] = {"source": to_data(src), "version": VERSION}
@@ -70,52 +66,52 @@ def fingerprint(recipe: Recipe) -> str:
 
 def _run_one(recipe: Recipe, name: str) -> None:
     src = recipe.sources[name]
-    final = recipe.out_dir / STAGE / name
+    final = recipe.layout.source(name)
     fp = _fingerprint(recipe, name)
-    if mf.up_to_date(final, fp, STAGE):
+    if stages.current(f"{STAGE}/{name}", final, fp):
         return
     if isinstance(src, TIRFinetuneSource):
         _run_one(recipe, src.base)
     started = time.time()
-    with mf.stage_dir(final) as tmp:
-        extra: dict[str, Any] = {}
-        if isinstance(src, HFSource):
-            mf.log(STAGE, f"{name}: hf checkpoint {source_dir(recipe, name)} (used in place)")
-            model_dir = source_dir(recipe, name)
-        elif isinstance(src, GGUFPackageSource):
-            path = gguf_path(src, str(recipe.path))
-            mf.log(STAGE, f"{name}: dequantizing {path.name} from package {src.package} to bf16 ...")
-            gguf_to_hf(path, tmp / "model")
-            model_dir = final / "model"
-            extra["gguf"] = {"path": str(path), "sha256": mf.sha256_file(path)}
-        else:
-            from trtbuild.tir_finetune import finetune
-
-            base = source_dir(recipe, src.base)
-            mf.log(STAGE, f"{name}: LoRA fine-tune of {src.base} on {src.traces} synthetic TIR traces, "
-                   f"{src.steps} steps ...")
-            extra["training"] = finetune(src, base, tmp / "model", recipe.serving.code_tags, recipe.serving.system_prompt)
-            model_dir = final / "model"
-        local = tmp / "model" if model_dir == final / "model" else model_dir
-        mf.write_manifest(
-            tmp, f"{STAGE}/{name}", fp, started,
-            source=to_data(src), model_dir=str(model_dir), files=mf.hash_tree(local), **extra,
-        )
+    stages.produce(f"{STAGE}/{name}", final, fp, lambda tmp: _make_one(recipe, name, tmp, final))
     mf.log(STAGE, f"{name}: done in {time.time() - started:.1f}s -> {final}")
 
 
+def _make_one(recipe: Recipe, name: str, tmp: Path, final: Path) -> dict[str, Any]:
+    src = recipe.sources[name]
+    extra: dict[str, Any] = {}
+    if isinstance(src, HFSource):
+        mf.log(STAGE, f"{name}: hf checkpoint {recipe.source_model(name)} (used in place)")
+        model_dir = recipe.source_model(name)
+    elif isinstance(src, GGUFPackageSource):
+        path = gguf_path(src, str(recipe.path))
+        mf.log(STAGE, f"{name}: dequantizing {path.name} from package {src.package} to bf16 ...")
+        gguf_to_hf(path, tmp / "model")
+        model_dir = final / "model"
+        extra["gguf"] = {"path": str(path), "sha256": mf.sha256_file(path)}
+    else:
+        from trtbuild.tir_finetune import finetune
+
+        base = recipe.source_model(src.base)
+        mf.log(STAGE, f"{name}: LoRA fine-tune of {src.base} on {src.traces} synthetic TIR traces, "
+               f"{src.steps} steps ...")
+        extra["training"] = finetune(src, base, tmp / "model", recipe.serving.code_tags, recipe.serving.system_prompt)
+        model_dir = final / "model"
+    local = tmp / "model" if model_dir == final / "model" else model_dir
+    return dict(source=to_data(src), model_dir=str(model_dir), files=mf.hash_tree(local), **extra)
+
+
 def run(recipe: Recipe) -> Path:
-    out = recipe.out_dir / STAGE
+    out = recipe.layout.sources
     fp = fingerprint(recipe)
-    if mf.up_to_date(out, fp, STAGE):
+    if stages.current(STAGE, out, fp):
         return out
     started = time.time()
     for name in recipe.sources:
         _run_one(recipe, name)
-    summary = {n: mf.read_manifest(out / n) for n in recipe.sources}
-    out.mkdir(parents=True, exist_ok=True)
-    mf.write_manifest(
-        out, STAGE, fp, started,
+    summary = {n: mf.read_manifest(recipe.layout.source(n)) for n in recipe.sources}
+    stages.summarize(
+        STAGE, out, fp, started,
         sources={n: {"model_dir": m["model_dir"], "seconds": m["seconds"]} for n, m in summary.items() if m},
     )
     return out

@@ -140,9 +140,9 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     try:
         recipe = load_recipe(args.recipe)
-        kind = "trtllm" if (recipe.out_dir / "build" / "trtllm" / "engine.json").is_file() else "embedded"
-        out = args.out or recipe.out_dir / "kaggle"
-        info = build(recipe.out_dir / "build" / kind, out, args.problems, args.wheels, competition=args.competition)
+        kind = "trtllm" if recipe.layout.has_engine("trtllm") else "embedded"
+        out = args.out or recipe.layout.kaggle
+        info = build(recipe.layout.engine(kind), out, args.problems, args.wheels, competition=args.competition)
     except (RecipeError, FileNotFoundError, ValueError, subprocess.CalledProcessError) as e:
         print(f"kaggle: {e}", file=sys.stderr)
         return 2

@@ -32,7 +32,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = ap.parse_args(argv)
     try:
         recipe = load_recipe(args.recipe)
-        engine_dir = recipe.out_dir / "build" / "trtllm"
+        engine_dir = recipe.layout.engine("trtllm")
         if not (engine_dir / "engine.json").is_file():
             raise FileNotFoundError(f"{engine_dir}/engine.json: no TensorRT-LLM engine; run "
                                     f"`make engine MODEL={recipe.name} BACKEND=trtllm` first")

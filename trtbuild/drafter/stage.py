@@ -11,9 +11,10 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from trtbuild import manifest as mf
+from trtbuild import stages
 from trtbuild.core.recipe import Recipe
 
 VERSION = 1  # bump when the output of this stage changes for the same inputs
@@ -22,17 +23,12 @@ STAGE = "drafter"
 
 def target_dir(recipe: Recipe) -> Path:
     """The weights the engine serves: the drafter must match them (quantized, if so)."""
-    from trtbuild.build import weights_dir
-
-    return weights_dir(recipe)
+    return recipe.layout.weights(recipe.build.quantization)
 
 
 def fingerprint(recipe: Recipe) -> str:
-    from merge.run import fingerprint as merge_fp
-    from trtbuild.quantize import fingerprint as quant_fp
-
     q = recipe.build.quantization
-    upstream = merge_fp(recipe) if q == "bf16" else quant_fp(recipe, q, merge_fp(recipe))
+    upstream = stages.weights_fingerprint(recipe)
     s = recipe.section("serving")
     given = recipe.resolve(recipe.drafter.path) / "model.safetensors" if recipe.drafter.path else None
     return mf.fingerprint({
@@ -46,54 +42,52 @@ def run(recipe: Recipe) -> Optional[Path]:
     if d.kind == "none":
         mf.log(STAGE, "drafter.kind is none: nothing to do")
         return None
-    final = recipe.out_dir / STAGE
-    fp = fingerprint(recipe)
-    if mf.up_to_date(final, fp, STAGE):
-        return final
-    from server.embedded.loader import load_model
-    from trtbuild.drafter import acceptance, data, train
-    from server.embedded.loader import use_all_cores
+    final = recipe.layout.drafter
+    return stages.produce(STAGE, final, fingerprint(recipe), lambda tmp: _make(recipe, final, tmp))
 
+
+def _make(recipe: Recipe, final: Path, tmp: Path) -> dict[str, Any]:
+    from server.embedded.loader import load_model, use_all_cores
+    from trtbuild.drafter import acceptance, data, train
+
+    d = recipe.drafter
     target = target_dir(recipe)
     if not (target / "config.json").is_file():
         raise FileNotFoundError(f"drafter: no {recipe.build.quantization} weights at {target}: run the earlier stages first")
-    started = time.time()
     log = lambda msg: mf.log(STAGE, msg)  # noqa: E731
-    with mf.stage_dir(final) as tmp:
-        t = time.time()
-        train_seqs, held = data.generate(recipe, target, train=not d.path, log=log)
-        generation_seconds = time.time() - t
-        use_all_cores()
-        import torch
+    t = time.time()
+    train_seqs, held = data.generate(recipe, target, train=not d.path, log=log)
+    generation_seconds = time.time() - t
+    use_all_cores()
+    import torch
 
-        model = load_model(target)
-        if torch.cuda.is_available():  # hidden states and verification on the GPU when there is one
-            model.to("cuda")
-        training = None
-        if d.path:
-            drafter = train.load(recipe.resolve(d.path))
-            log(f"measuring the given drafter {d.path}")
-        else:
-            log(f"training: K={d.train.draft_steps} draft steps, {d.train.layers} residual blocks, "
-                f"{d.train.steps} steps of {d.train.batch_size}")
-            drafter, training = train.train(model, train_seqs, held, d.train, log=log)
-            train.export(drafter, tmp / "model")
-        t = time.time()
-        log(f"acceptance: {d.num_beams} beam(s) x {d.draft_len_per_beam} drafts, greedy verification by the target "
-            f"on {d.train.eval_positions} held-out positions ...")
-        acc = acceptance.measure(model, drafter, held, d.num_beams, d.draft_len_per_beam, d.train.eval_positions,
-                                 seed=d.train.seed)
-        acc["seconds"] = round(time.time() - t, 1)
-        log(f"acceptance: {acc['tokens_per_step']:.3f} tokens per step (speed-up bound), per draft position "
-            f"{acc['acceptance_at_position']}")
-        (tmp / "acceptance.json").write_text(json.dumps(acc, indent=2) + "\n")
-        mf.write_manifest(
-            tmp, STAGE, fp, started, target=str(target), given=d.path,
-            model_dir=str(recipe.resolve(d.path) if d.path else final / "model"),
-            config=drafter.config.to_json(),
-            data={"train_samples": len(train_seqs), "train_model_tokens": sum(s.model_tokens for s in train_seqs),
-                  "heldout_samples": len(held), "heldout_model_tokens": sum(s.model_tokens for s in held),
-                  "generation_seconds": round(generation_seconds, 1)},
-            training=training, acceptance=acc,
-            files=mf.hash_tree(tmp / "model") if (tmp / "model").is_dir() else {})
-    return final
+    model = load_model(target)
+    if torch.cuda.is_available():  # hidden states and verification on the GPU when there is one
+        model.to("cuda")
+    training = None
+    if d.path:
+        drafter = train.load(recipe.resolve(d.path))
+        log(f"measuring the given drafter {d.path}")
+    else:
+        log(f"training: K={d.train.draft_steps} draft steps, {d.train.layers} residual blocks, "
+            f"{d.train.steps} steps of {d.train.batch_size}")
+        drafter, training = train.train(model, train_seqs, held, d.train, log=log)
+        train.export(drafter, tmp / "model")
+    t = time.time()
+    log(f"acceptance: {d.num_beams} beam(s) x {d.draft_len_per_beam} drafts, greedy verification by the target "
+        f"on {d.train.eval_positions} held-out positions ...")
+    acc = acceptance.measure(model, drafter, held, d.num_beams, d.draft_len_per_beam, d.train.eval_positions,
+                             seed=d.train.seed)
+    acc["seconds"] = round(time.time() - t, 1)
+    log(f"acceptance: {acc['tokens_per_step']:.3f} tokens per step (speed-up bound), per draft position "
+        f"{acc['acceptance_at_position']}")
+    (tmp / "acceptance.json").write_text(json.dumps(acc, indent=2) + "\n")
+    return dict(
+        target=str(target), given=d.path,
+        model_dir=str(recipe.resolve(d.path) if d.path else final / "model"),
+        config=drafter.config.to_json(),
+        data={"train_samples": len(train_seqs), "train_model_tokens": sum(s.model_tokens for s in train_seqs),
+              "heldout_samples": len(held), "heldout_model_tokens": sum(s.model_tokens for s in held),
+              "generation_seconds": round(generation_seconds, 1)},
+        training=training, acceptance=acc,
+        files=mf.hash_tree(tmp / "model") if (tmp / "model").is_dir() else {})

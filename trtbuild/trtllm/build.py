@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from trtbuild import manifest as mf
+from trtbuild import stages
 from trtbuild.core.recipe import Recipe
 from trtbuild.trtllm.env import TrtllmEnv
 from trtbuild.trtllm.preflight import drafter_dir
@@ -102,14 +103,14 @@ def _checkpoint_step(recipe: Recipe, env: TrtllmEnv, merged: Path, work: Path, u
 
 
 def checkpoint_dir(recipe: Recipe, step: Optional[Step]) -> Path:
-    return step.output if step is not None and step.output else recipe.out_dir / "quantize" / "fp8" / "trtllm"
+    return step.output if step is not None and step.output else recipe.layout.quantized_trtllm("fp8")
 
 
 def plan(recipe: Recipe, env: TrtllmEnv, upstream: str) -> list[Step]:
     """The steps for this recipe, in order; the engine step writes to OUTPUT (the build stage's folder)."""
     b, d = recipe.build, recipe.drafter
-    merged = recipe.out_dir / "merge" / "model"
-    work = recipe.out_dir / "trtllm"
+    merged = recipe.layout.merged
+    work = recipe.layout.trtllm_work
     steps: list[Step] = []
     ckpt = _checkpoint_step(recipe, env, merged, work, upstream)
     if ckpt is not None:
@@ -151,19 +152,23 @@ def run_steps(steps: list[Step], engine_out: Path, runner: Runner = run_subproce
     for step in steps:
         started = time.time()
         if step.output is not None:
-            if mf.up_to_date(step.output, step.fingerprint, STAGE):
+            if stages.current(STAGE, step.output, step.fingerprint):
                 done.append({"step": step.name, "skipped": True, "output": str(step.output)})
                 continue
             if step.prepare is not None:
                 step.prepare()
-            with mf.stage_dir(step.output) as tmp:
-                cmd = step.command(tmp)
-                mf.log(STAGE, f"trtllm {step.name}: " + " ".join(cmd))
-                runner(step, cmd, step.env)
+            commands: list[list[str]] = []
+
+            def make(tmp: Path, step: Step = step) -> dict[str, Any]:
+                commands.append(step.command(tmp))
+                mf.log(STAGE, f"trtllm {step.name}: " + " ".join(commands[-1]))
+                runner(step, commands[-1], step.env)
                 if not (tmp / "config.json").is_file():
                     raise RuntimeError(f"trtllm {step.name} step wrote no config.json to {tmp}")
-                mf.write_manifest(tmp, f"trtllm/{step.name}", step.fingerprint, started, command=cmd)
-            out = step.output
+                return {"step": f"trtllm/{step.name}", "command": commands[-1]}
+
+            stages.produce(STAGE, step.output, step.fingerprint, make)
+            cmd, out = commands[-1], step.output
         else:
             if step.prepare is not None:
                 step.prepare()

@@ -113,7 +113,7 @@ def drafter_dir(recipe: Recipe) -> Optional[Path]:
         return None
     if recipe.drafter.path:
         return recipe.resolve(recipe.drafter.path)
-    return recipe.out_dir / "drafter" / "model"  # what the drafter stage writes
+    return recipe.layout.drafter_model  # what the drafter stage writes
 
 
 def load_drafter_config(recipe: Recipe) -> Optional[dict[str, Any]]:

@@ -50,7 +50,7 @@ def build(folder: Path, name: str, model: Path, quantization: str, env: Any, run
     from trtbuild.core.recipe import load_recipe
 
     recipe = load_recipe(write_recipe(folder, name, model, quantization))
-    merged = recipe.out_dir / "merge" / "model"
+    merged = recipe.layout.merged
     if not merged.exists():
         shutil.copytree(model, merged)
     return build_stage.run(recipe, "trtllm", trtllm_env=env, runner=runner)

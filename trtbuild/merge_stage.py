@@ -1,0 +1,92 @@
+"""Stage `merge`: mergekit linear merge of the recipe's sources, then two checks.
+
+1. Arithmetic (`merge.check`): on sampled tensors, merged == sum_i w_i * theta_i within the output
+   dtype's rounding (half an ulp): an exact step must stay exact.
+2. Price: KL / token agreement / reply length of the merged model against each source.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from merge.check import check_arithmetic
+from merge.config import effective_weights, mergekit_config
+from trtbuild import manifest as mf
+from trtbuild import stages
+from trtbuild.core.recipe import Recipe
+
+VERSION = 1  # bump when the output of this stage changes for the same inputs
+STAGE = "merge"
+
+
+def fingerprint(recipe: Recipe) -> str:
+    return mf.fingerprint({
+        "merge": recipe.section("merge"), "quality": recipe.section("quality"),
+        "sources": stages.fingerprint(recipe, "sources"), "version": VERSION,
+    })
+
+
+def run(recipe: Recipe) -> Path:
+    final = recipe.layout.merge
+    started = time.time()
+    stages.produce(STAGE, final, fingerprint(recipe), lambda tmp: _merge(recipe, tmp, final))
+    if time.time() - started > 1:
+        mf.log(STAGE, f"done in {time.time() - started:.1f}s -> {final}")
+    return final
+
+
+def _merge(recipe: Recipe, tmp: Path, final: Path) -> dict[str, Any]:
+    from mergekit.config import MergeConfiguration
+    from mergekit.merge import MergeOptions, run_merge
+
+    dirs = {name: recipe.source_model(name) for name in recipe.merge.weights}
+    for name, d in dirs.items():
+        if not (d / "config.json").is_file():
+            raise FileNotFoundError(f"merge: source {name!r} has no checkpoint at {d}: run the sources stage first")
+    cfg = mergekit_config(recipe.merge, dirs)
+    weights = effective_weights(recipe.merge)
+    mf.log(STAGE, "linear merge " + " + ".join(f"{w:g}*{k}" for k, w in weights.items()) + " (mergekit) ...")
+    (tmp / "mergekit.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    model_dir = tmp / "model"
+    t = time.time()
+    run_merge(MergeConfiguration.model_validate(cfg), str(model_dir),
+              MergeOptions(cuda=False, copy_tokenizer=True, lazy_unpickle=False, quiet=True, write_model_card=False))
+    merge_seconds = time.time() - t
+    check = check_arithmetic(model_dir, dirs, weights, recipe.merge.check_tensors)
+    mf.log(STAGE, f"arithmetic check on {check['tensors_checked']} tensors: max error {check['max_abs_error']:.3g} "
+           f"({check['max_error_ulps']:.3f} ulp of {check['dtype']}) -> "
+           f"{'within rounding' if check['within_rounding'] else 'NOT within rounding'}")
+    if not check["within_rounding"]:
+        raise RuntimeError(f"merge: merged tensors differ from the weighted sum beyond rounding: {check}")
+    quality = _price_against_sources(recipe, model_dir, dirs)
+    return dict(inputs={k: {"dir": str(d), "files": mf.hash_tree(d)} for k, d in dirs.items()},
+                weights=weights, mergekit_config=cfg, merge_seconds=round(merge_seconds, 2),
+                arithmetic_check=check, quality=quality, model_dir=str(final / "model"))
+
+
+def _price_against_sources(recipe: Recipe, merged_dir: Path, dirs: dict[str, Path]) -> dict[str, Any]:
+    from server.embedded.loader import load_model, use_all_cores
+    from trtbuild.core.chat import load_tokenizer
+    from trtbuild.quality import price, quality_prompts, record_replies
+
+    use_all_cores()
+    tok = load_tokenizer(merged_dir)
+    prompts = quality_prompts(recipe, tok)
+    merged = load_model(merged_dir)
+    q = recipe.quality
+    merged_replies = record_replies(merged, tok, prompts, q.max_new_tokens)
+    out: dict[str, Any] = {"prompts": len(prompts), "max_new_tokens": q.max_new_tokens,
+                           "example_reply": merged_replies.texts[0]}
+    for name, d in dirs.items():
+        mf.log(STAGE, f"quality: merged vs {name} on {len(prompts)} recorded prompts ...")
+        src = load_model(d)
+        ref = record_replies(src, tok, prompts, q.max_new_tokens)
+        p = price(src, merged, tok, ref, q.max_new_tokens, recipe.serving.code_tags, cand=merged_replies)
+        mf.log(STAGE, f"quality vs {name}: {p.summary()}")
+        out[f"vs_{name}"] = p.as_dict()
+        del src
+    return out

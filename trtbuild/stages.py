@@ -1,0 +1,135 @@
+"""The build pipeline's stages, in one table, and the one guard every stage output goes through.
+
+| stage    | module                  | output (`Layout`)           |
+|----------|-------------------------|-----------------------------|
+| sources  | `trtbuild.sources`      | `sources/<name>/`           |
+| merge    | `trtbuild.merge_stage`  | `merge/`                    |
+| quantize | `trtbuild.quantize`     | `quantize/<fmt>/`           |
+| drafter  | `trtbuild.drafter.stage`| `drafter/`                  |
+| build    | `trtbuild.build`        | `build/<backend>/`          |
+
+Each stage module has `run(recipe, ...)`, `fingerprint(recipe, ...)` and a `VERSION`. A stage is
+stale when, and only when, its fingerprint changed: its recipe section, the fingerprints of the
+stages it reads, its inputs on disk, or its `VERSION` (bumped when a code change alters what the
+stage writes, so a refactor does not retrain). Make does not decide: every stage target calls the
+stage, which skips itself when current. A code change that did not bump `VERSION` is never silent:
+the manifest records the hashes of the stage's code, and a skipped stage whose code changed says
+so and how to redo it (`FORCE=<stage>`).
+
+`produce` is the guard: skip when current, else build in a hidden scratch folder, write the
+manifest, and rename the folder into place only when everything succeeded. A failed or
+interrupted stage therefore leaves every earlier output intact, and the next run resumes there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from trtbuild import manifest as mf
+
+ROOT = Path(__file__).resolve().parents[1]  # the project checkout: code paths below are relative to it
+FORCE_ENV = "TRTBUILD_FORCE"  # comma-separated stage names to rebuild even when current ("all": every one)
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    module: str
+    code: tuple[str, ...]  # files whose content the manifest records (what `make` used to watch)
+
+    def load(self) -> Any:
+        return importlib.import_module(self.module)
+
+
+STAGES: tuple[Stage, ...] = (
+    Stage("sources", "trtbuild.sources", ("trtbuild/sources.py", "trtbuild/tir_finetune.py", "trtbuild/tir_data.py")),
+    Stage("merge", "trtbuild.merge_stage", ("trtbuild/merge_stage.py", "merge/config.py", "merge/check.py",
+                                            "trtbuild/quality.py")),
+    Stage("quantize", "trtbuild.quantize", ("trtbuild/quantize.py", "trtbuild/quality.py", "server/embedded/loader.py",
+                                            "server/embedded/qlinear.py")),
+    Stage("drafter", "trtbuild.drafter.stage", ("trtbuild/drafter/stage.py", "trtbuild/drafter/data.py",
+                                                "trtbuild/drafter/model.py", "trtbuild/drafter/train.py",
+                                                "trtbuild/drafter/acceptance.py")),
+    Stage("build", "trtbuild.build", ("trtbuild/build.py", "trtbuild/trtllm/build.py", "trtbuild/trtllm/convert.py",
+                                      "trtbuild/trtllm/preflight.py")),
+)
+BY_NAME = {s.name: s for s in STAGES}
+NAMES = tuple(BY_NAME)
+
+
+def stage(name: str) -> Stage:
+    base = name.split("/")[0]  # "quantize/fp8" is the quantize stage's output for one format
+    if base not in BY_NAME:
+        raise ValueError(f"unknown stage {name!r} (stages: {', '.join(NAMES)})")
+    return BY_NAME[base]
+
+
+def fingerprint(recipe: Any, name: str, *args: Any) -> str:
+    """A stage's fingerprint, for the stages downstream of it (the one way to ask)."""
+    return stage(name).load().fingerprint(recipe, *args)
+
+
+def weights_fingerprint(recipe: Any) -> str:
+    """The fingerprint of the weights the engine serves (`build.quantization`): the merge's for
+    bf16, else that format's quantize output."""
+    q = recipe.build.quantization
+    return fingerprint(recipe, "merge") if q == "bf16" else fingerprint(recipe, "quantize", q)
+
+
+def run(recipe: Any, name: str, **kwargs: Any) -> Path | None:
+    return stage(name).load().run(recipe, **kwargs)
+
+
+def code_hashes(name: str) -> dict[str, str]:
+    out = {}
+    for rel in stage(name).code:
+        p = ROOT / rel
+        if p.is_file():
+            out[rel] = hashlib.sha256(p.read_bytes()).hexdigest()[:16]
+    return out
+
+
+def forced(name: str) -> bool:
+    wanted = {w.strip() for w in os.environ.get(FORCE_ENV, "").split(",") if w.strip()}
+    return "all" in wanted or stage(name).name in wanted
+
+
+def current(name: str, folder: Path, fp: str) -> bool:
+    """True when `folder` holds this fingerprint's finished output (and it is not forced): logged,
+    with a notice when the stage's code changed since the output was built."""
+    if forced(name) or not mf.is_current(folder, fp):
+        return False
+    mf.touch(folder)
+    recorded = (mf.read_manifest(folder) or {}).get("code") or {}
+    changed = sorted(k for k, v in code_hashes(name).items() if recorded.get(k, v) != v)
+    mf.log(name, f"up to date ({folder})")
+    if changed:
+        mf.log(name, f"note: {', '.join(changed)} changed since this was built; the output is kept because the "
+                     f"stage's VERSION is the same. Rebuild it with FORCE={stage(name).name} (make) or "
+                     f"{FORCE_ENV}={stage(name).name}")
+    return True
+
+
+def produce(name: str, final: Path, fp: str, make: Callable[[Path], dict[str, Any]]) -> Path:
+    """The guard: skip when current; else `make(scratch)` builds the output and returns its manifest
+    fields, and the scratch folder becomes `final` only when all of it succeeded."""
+    if current(name, final, fp):
+        return final
+    started = time.time()
+    with mf.stage_dir(final) as tmp:
+        fields = make(tmp)
+        mf.write_manifest(tmp, name, fp, started, code=code_hashes(name), **fields)
+    return final
+
+
+def summarize(name: str, folder: Path, fp: str, started: float, **fields: Any) -> None:
+    """The manifest of a stage whose outputs are subfolders, each produced on its own (sources,
+    quantize): written in place once every part is done."""
+    folder.mkdir(parents=True, exist_ok=True)
+    mf.write_manifest(folder, name, fp, started, code=code_hashes(name), **fields)
