@@ -150,7 +150,7 @@ doctor: $(SETUP)
 	@$(TB) doctor || echo "(doctor: the recipe's backend is not usable on this machine; reasons above)"
 
 gpu-smoke:
-	PYTHONPATH=$(CURDIR) $(TRTLLM_PY) -m trtbuild.trtllm.smoke
+	PYTHONPATH=$(CURDIR) $(TRTLLM_PY) -m trtbuild.programs.gpu_smoke
 
 trtllm-venv: requirements/trtllm.txt
 	@test -n "$(TRTLLM_INDEX_URL)" || { echo "make trtllm-venv: set TRTLLM_INDEX_URL to NVIDIA's package index (TensorRT-LLM's install guide names it); PyPI's tensorrt-llm is a stub that downloads from there"; exit 2; }
@@ -169,10 +169,10 @@ test: $(SETUP) $(TRITON_SETUP)
 
 bench: build $(TRITON_SETUP)
 	$(PY) -m sandbox.bench --out bench/sandbox.json
-	$(PY) -m server.bench --recipe $(RECIPE) --out bench/serving.json
-	PYTHONPATH=$(CURDIR) $(TRITON_PY) -m server.triton.bench --engine $(OUT)/build/embedded --out bench/triton.json
-	$(PY) -m server.bench_formats --recipe $(RECIPE) --out bench/formats.json
-	@$(PY) -m server.bench_report --dir bench
+	$(PY) -m server.bench.serving --recipe $(RECIPE) --out bench/serving.json
+	PYTHONPATH=$(CURDIR) $(TRITON_PY) -m server.bench.triton --engine $(OUT)/build/embedded --out bench/triton.json
+	$(PY) -m server.bench.formats --recipe $(RECIPE) --out bench/formats.json
+	@$(PY) -m server.bench.report --dir bench
 
 clean:
 	rm -rf $(OUT)

@@ -1,6 +1,6 @@
 """Throughput of each weight format on the embedded runtime: bf16 (merged) vs int8 weight-only vs FP8.
 
-    python -m server.bench_formats --recipe engines/mix.yaml --out bench/formats.json
+    python -m server.bench.formats --recipe engines/mix.yaml --out bench/formats.json
 
 Same load for each (8 concurrent requests of 48 tokens, end of sequence ignored, median of 3):
 aggregate tokens/s and the ratio to bf16. On CPU, int8 weight-only runs torch's int8-weight GEMM and
@@ -31,7 +31,7 @@ async def burst(engine, prompt: list[int], n: int, tokens: int) -> float:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m server.bench_formats", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m server.bench.formats", description=__doc__.splitlines()[0])
     ap.add_argument("--recipe", required=True)
     ap.add_argument("--concurrent", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=48)

@@ -1,6 +1,6 @@
 """Serving benchmark on a built embedded engine, everything measured side by side in one run.
 
-    python -m server.bench --recipe engines/mix.yaml [--tokens 64] [--out bench/serving.json]
+    python -m server.bench.serving --recipe engines/mix.yaml [--tokens 64] [--out bench/serving.json]
 
 1. Throughput, aggregate generated tokens/s at 1, 4, 8, 16 concurrent requests (fixed length,
    end-of-sequence ignored), through:
@@ -111,7 +111,7 @@ def harness_overhead(recipe: Any, engine: Any, problems_file: str, limit: int) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m server.bench", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m server.bench.serving", description=__doc__.split("\n")[0])
     ap.add_argument("--recipe", default="engines/mix.yaml")
     ap.add_argument("--tokens", type=int, default=48, help="generated tokens per request")
     ap.add_argument("--concurrency", default="1,4,8,16")

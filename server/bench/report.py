@@ -1,9 +1,9 @@
 """`make bench`'s last step: every benchmark's figures and ratios in one table, printed and written.
 
-    python -m server.bench_report --dir bench   ->  bench/summary.md, bench/summary.json
+    python -m server.bench.report --dir bench   ->  bench/summary.md, bench/summary.json
 
 Reads what the benchmarks of one `make bench` run wrote (sandbox.json, serving.json, triton.json,
-formats.json; gpu.json when `python -m server.bench_gpu` ran on a GPU host) and lists each figure
+formats.json; gpu.json when `python -m server.bench.gpu` ran on a GPU host) and lists each figure
 with the ratio it is about, so one file says what this machine does today.
 """
 
@@ -53,7 +53,7 @@ def rows(d: Path) -> list[tuple[str, str, str, str]]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m server.bench_report", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m server.bench.report", description=__doc__.splitlines()[0])
     ap.add_argument("--dir", type=Path, default=Path("bench"))
     args = ap.parse_args(argv)
     table = rows(args.dir)

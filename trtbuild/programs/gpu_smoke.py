@@ -1,6 +1,6 @@
 """`make gpu-smoke`: build tiny engines on this GPU host and check that they serve correctly.
 
-    $TRTLLM_PYTHON -m trtbuild.trtllm.smoke [--out DIR]
+    $TRTLLM_PYTHON -m trtbuild.programs.gpu_smoke [--out DIR]
 
 Runs in TensorRT-LLM's environment on a GPU host. A tiny random Llama checkpoint is made on the fly
 (no download) and goes through the same steps `make engine BACKEND=trtllm` runs: bf16 (convert +
@@ -157,7 +157,7 @@ def run(out: Path, env: Any = None, runner: Any = None, compare_hf: bool = True)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m trtbuild.trtllm.smoke", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m trtbuild.programs.gpu_smoke", description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=None, help="work folder (default: a temporary one)")
     args = ap.parse_args(argv)
     out = args.out or Path(tempfile.mkdtemp(prefix="gpu-smoke-"))

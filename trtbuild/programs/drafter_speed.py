@@ -1,6 +1,6 @@
 """Training cost of a ReDrafter head at a given model shape (random data: speed only, not quality).
 
-    python -m trtbuild.drafter.speed --hidden 5120 --vocab 152064 --layers 2 --draft-steps 3 --batch 256
+    python -m trtbuild.programs.drafter_speed --hidden 5120 --vocab 152064 --layers 2 --draft-steps 3 --batch 256
 
 Times full training steps (forward, backward, AdamW) of the head on the chosen device and prints
 ms per step, training positions per second, and the time for a given number of positions: the
@@ -57,7 +57,7 @@ def measure(hidden: int, vocab: int, layers: int, draft_steps: int, batch: int, 
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m trtbuild.drafter.speed", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m trtbuild.programs.drafter_speed", description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, default=576)
     ap.add_argument("--vocab", type=int, default=49152)
     ap.add_argument("--layers", type=int, default=2)

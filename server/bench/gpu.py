@@ -1,6 +1,6 @@
 """Decode speed of the embedded runtime on realistic model shapes, against the memory-bandwidth bound.
 
-    python -m server.bench_gpu --shapes 1.5b,14b --batches 1,8,32 --formats bf16,int8_wo
+    python -m server.bench.gpu --shapes 1.5b,14b --batches 1,8,32 --formats bf16,int8_wo
 
 Random weights (speed only) in Qwen2 shapes, on the GPU when there is one. For each shape, format and
 batch size: the slot runner (the embedded engine's forward: the model's own layers, its slot KV cache)
@@ -126,7 +126,7 @@ def run(shape: str, fmt: str, batches: list[int], context: int, steps: int, dev:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m server.bench_gpu", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m server.bench.gpu", description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="1.5b,14b")
     ap.add_argument("--formats", default="bf16,int8_wo")
     ap.add_argument("--batches", default="1,8,32")

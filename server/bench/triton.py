@@ -1,6 +1,6 @@
 """Triton overhead: the same load through a real Triton server (gRPC streaming) and on the engine directly.
 
-    python -m server.triton.bench --engine engines/mix/build/embedded --out bench/triton.json
+    python -m server.bench.triton --engine engines/mix/build/embedded --out bench/triton.json
 
 Runs in the Triton environment. For 1, 4 and 8 concurrent requests of `--tokens` tokens each (end of
 sequence ignored), median of `--repeats`: aggregate tokens/s and mean per-token latency (time between
@@ -66,7 +66,7 @@ def free_port() -> int:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m server.triton.bench", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m server.bench.triton", description=__doc__.splitlines()[0])
     ap.add_argument("--engine", required=True, type=Path)
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=3)

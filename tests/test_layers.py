@@ -1,0 +1,90 @@
+"""The direction of dependency, checked on the source: no import runs back up a floor.
+
+Floors, bottom up: `trtbuild.core` (recipe, layout, chat format); `sandbox` and `merge` (stand on
+core only); the runtime `server` (stands on core and sandbox, never on the pipeline); the build
+pipeline `trtbuild` (may use everything: its quality gates and the drafter run the real runtime).
+Inside the runtime: the request nouns and stream, then the backend drivers, then the TIR client and
+solver, then the surfaces (CLIs, evaluation, Kaggle, Triton deployment, benchmarks). Imports inside
+functions count too.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PROJECT = ("trtbuild", "merge", "server", "sandbox")
+
+ALLOWED = {  # package -> what its modules may import from the project
+    "trtbuild.core": ("trtbuild.core",),
+    "merge": ("merge", "trtbuild.core"),
+    "sandbox": ("sandbox", "trtbuild.core"),
+    "server": ("server", "sandbox", "trtbuild.core"),
+}
+RUNTIME_FLOORS = (  # inside server/: module prefixes per floor, bottom up; anything else is a surface
+    ("server.protocol", "server.textstream", "server.stream", "server.answers", "server.budget"),
+    ("server.embedded.", "server.trtllm.engine", "server.triton.engine", "server.triton.interface", "server.backends"),
+    ("server.tir", "server.solver", "server.metrics", "server.run", "server.assembly"),
+)
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def project_imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    out = set()
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        out.update(n for n in names if n.split(".")[0] in PROJECT)
+    return out
+
+
+def sources() -> list[Path]:
+    return sorted(p for pkg in PROJECT for p in (ROOT / pkg).rglob("*.py"))
+
+
+def floor(module: str) -> int:
+    for i, prefixes in enumerate(RUNTIME_FLOORS):
+        if any(module == p or module.startswith(p if p.endswith(".") else p + ".") for p in prefixes):
+            return i
+    return len(RUNTIME_FLOORS)
+
+
+def _within(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def _package(module: str) -> str | None:
+    matches = [p for p in ALLOWED if _within(module, p)]
+    return max(matches, key=len) if matches else None
+
+
+@pytest.mark.parametrize("path", sources(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_import_runs_up_a_floor(path):
+    module = module_name(path)
+    pkg = _package(module)
+    bad = []
+    for name in sorted(project_imports(path)):
+        if pkg is not None and not any(_within(name, a) for a in ALLOWED[pkg]):
+            bad.append(f"{name} (a {pkg} module may import only {', '.join(ALLOWED[pkg])})")
+        elif module.startswith("server") and name.startswith("server") and floor(name) > floor(module):
+            bad.append(f"{name} (floor {floor(name)} above {module}'s floor {floor(module)})")
+    assert not bad, f"{path.relative_to(ROOT)} imports up a floor: " + "; ".join(bad)
+
+
+def test_the_rules_bite():
+    """The check itself: the imports the old layout had are caught."""
+    assert _package("server.textstream") == "server" and not any(_within("trtbuild.tir_data", a) for a in ALLOWED["server"])
+    assert floor("server.protocol") < floor("server.tir") < floor("server.solve")
+    assert _package("trtbuild.core.chat") == "trtbuild.core" and _package("trtbuild.quality") is None
