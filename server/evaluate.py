@@ -156,7 +156,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     from server.assembly import sandbox_for
     from server.embedded.engine import EmbeddedEngine
-    from server.run import log, read_problems
+    from server.problems import log, read_problems
     from trtbuild.core.recipe import RecipeError, load_recipe
 
     try:

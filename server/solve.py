@@ -21,7 +21,7 @@ from trtbuild.core.recipe import RecipeError, load_recipe
 
 async def _main(args: argparse.Namespace) -> int:
     from server.budget import TimeBudget
-    from server.run import log, read_problems, run_problems
+    from server.problems import log, read_problems, run_problems
 
     recipe = load_recipe(args.recipe)
     problems = read_problems(args.problems)

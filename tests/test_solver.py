@@ -181,7 +181,7 @@ def test_shipped_problems_file_parses_and_is_tracked():
     import subprocess
     from pathlib import Path
 
-    from server.run import read_problems
+    from server.problems import read_problems
 
     root = Path(__file__).resolve().parents[1]
     path = root / "engines" / "problems" / "smoke.csv"

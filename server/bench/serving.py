@@ -79,7 +79,7 @@ def library_throughput(model: Any, tokenizer: Any, prompts: list[list[int]], tok
 
 def harness_overhead(recipe: Any, engine: Any, problems_file: str, limit: int) -> dict[str, Any]:
     from server.budget import TimeBudget
-    from server.run import read_problems, run_problems
+    from server.problems import read_problems, run_problems
     from server.assembly import build_solver, sandbox_for
 
     problems = read_problems(problems_file)[:limit]
