@@ -25,7 +25,7 @@ from server.protocol import Engine
 from server.tir import SampleTrace, TIRClient
 from trtbuild.core.recipe import SolverSpec
 
-FINISHED = ("eos", "length", "max_tokens")
+FINISHED = ("stop", "length")  # the finish reasons of a sample that ended on its own
 CANCEL_GRACE = 30.0  # seconds a cancelled sample may take to report its end
 MIN_ENTROPY = 1e-3  # a sample with ~0 entropy gets weight 1000, not infinity
 

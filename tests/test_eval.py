@@ -48,7 +48,7 @@ def test_accuracy_at_budget_counts_only_finished_samples():
 
 def synthetic(k=4):
     def sample(answer, t, tokens=50, calls=1, errors=0):
-        return {"answer": answer, "tokens": tokens, "finish": "eos", "seconds": t, "finished_at": t,
+        return {"answer": answer, "tokens": tokens, "finish": "stop", "seconds": t, "finished_at": t,
                 "code_calls": calls, "tool_errors": errors, "tool_timeouts": 0}
     return [{"id": "a", "truth": 1, "seconds": 4.0, "samples": [sample(1, 1.0), sample(1, 2.0), sample(2, 3.0), sample(None, 4.0, errors=1)]},
             {"id": "b", "truth": 9, "seconds": 2.0, "samples": [sample(3, 0.5), sample(9, 1.0), sample(9, 1.5), sample(9, 2.0)]}]

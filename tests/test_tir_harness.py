@@ -48,7 +48,7 @@ def test_code_split_across_chunks_is_run_and_history_is_verbatim(pool):
     prompt = eng.tokenize(eng.chat_prompt("6*7?"))
     t = run(client(eng, pool).run(prompt, sample=0, seed=1))
     assert [c.status for c in t.code_calls] == ["ok"] and t.code_calls[0].code == "print(6*7)\n"
-    assert t.answer == 42 and t.finish == "eos" and t.turns == 2
+    assert t.answer == 42 and t.finish == "stop" and t.turns == 2
     expected = "Let me compute.\n```python\nprint(6*7)\n```\n```output\n42\n```\nSo the answer is \\boxed{42}."
     assert t.text == expected
     # the prefix contract: turn 2's prompt is turn 1's prompt + its tokens + the output block, exactly
@@ -76,7 +76,7 @@ def test_overhang_past_the_stop_string_stays_in_history(pool):
 def test_unclosed_code_block_is_not_run_and_answer_still_extracted(pool):
     eng = ScriptedEngine(lambda p, r: ["\\boxed{7} then ```python\nprint(1)\n"])
     t = run(client(eng, pool).run(eng.tokenize("p"), 0, 1))
-    assert t.code_calls == [] and t.answer == 7 and t.finish == "eos"
+    assert t.code_calls == [] and t.answer == 7 and t.finish == "stop"
 
 
 def test_model_imitating_output_block_runs_nothing(pool):
@@ -102,7 +102,7 @@ def test_bad_code_is_fed_back_and_max_code_calls_is_enforced(pool):
     assert [c.status for c in t.code_calls] == ["error", "error"]
     assert "ValueError: boom" in t.code_calls[0].output
     # after the last allowed call the code-end tag is no longer a stop: the third turn runs to the end
-    assert eng.requests[2].params.stop == () and t.finish == "eos" and t.text.endswith("after")
+    assert eng.requests[2].params.stop == () and t.finish == "stop" and t.text.endswith("after")
 
 
 def test_hanging_code_times_out_and_the_sample_goes_on(pool):

@@ -22,6 +22,7 @@ from typing import Any, Optional
 
 from server.protocol import FINISH_REASONS, FinishReason, SamplingParams
 from server.stream import EngineBase, RequestStream
+from trtbuild.core.chat import load_tokenizer
 from server.triton.interface import INPUTS, KEY_PARAMETER, MODEL, STOP_PARAMETER
 
 CANCEL_GRACE_SECONDS = 5.0
@@ -57,10 +58,8 @@ class TritonEngine(EngineBase):
     name = "triton"
 
     def __init__(self, url: str, tokenizer_dir: str, model: str = MODEL, connect_timeout: float = 10.0):
-        from transformers import AutoTokenizer
-
         self.url, self.model = url, model
-        self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        self.tokenizer = load_tokenizer(tokenizer_dir)
         self.connect_timeout = connect_timeout
         self._lock = threading.Lock()
         self._pending: dict[str, _Pending] = {}

@@ -27,6 +27,7 @@ from typing import Any, Optional
 
 from server.protocol import FinishReason, Request, SamplingParams
 from server.stream import EngineBase, RequestStream
+from trtbuild.core.chat import load_tokenizer
 
 POLL = datetime.timedelta(milliseconds=20)
 CANCEL_GRACE_SECONDS = 5.0  # a cancelled request the executor never finalises is finalised here
@@ -120,9 +121,7 @@ class TrtllmEngine(EngineBase):
             raise FileNotFoundError(f"{config}: the TensorRT engine folder is incomplete; rebuild it")
         plugin = json.loads(config.read_text()).get("build_config", {}).get("plugin_config", {})
         tle = executor_module()
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(str(engine_dir / spec.get("model_dir", "model")))
+        tokenizer = load_tokenizer(engine_dir / spec.get("model_dir", "model"))
         executor = tle.Executor(trt_dir, tle.ModelType.DECODER_ONLY, executor_config(tle, spec))
         if not executor.can_enqueue_requests():
             # an MPI worker rank (tp > 1, leader mode): serve the leader until it shuts down, then leave
