@@ -445,7 +445,7 @@ def test_solve_runs_tir_through_the_trtllm_backend(engine_dir, project, tmp_path
 
 def test_gpu_smoke_builds_bf16_and_fp8_and_checks_streaming_and_cancel(examples, tmp_path, monkeypatch):
     """The smoke run's plan and checks, against the double (its token checks need the real GPU)."""
-    from trtbuild.trtllm import smoke
+    from trtbuild.programs import gpu_smoke as smoke
 
     dbl.install(monkeypatch)
     dbl.Executor.script = staticmethod(lambda p: [7] * 500)
@@ -462,7 +462,7 @@ def test_gpu_smoke_builds_bf16_and_fp8_and_checks_streaming_and_cancel(examples,
 
 
 def test_gpu_smoke_refuses_clearly_without_tensorrt_llm(tmp_path, capsys):
-    from trtbuild.trtllm import smoke
+    from trtbuild.programs import gpu_smoke as smoke
 
     assert smoke.main(["--out", str(tmp_path)]) == 2
     assert "gpu-smoke needs a usable TensorRT-LLM" in capsys.readouterr().err
