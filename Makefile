@@ -10,6 +10,9 @@ PY      := $(VENV)/bin/python
 RECIPE  := engines/$(MODEL).yaml
 OUT     := engines/$(MODEL)
 FORCE   ?=
+# where the embedded engine runs for solve/eval/bench/kaggle/triton: empty = the recipe's serving.device (auto)
+DEVICE  ?=
+export EMBEDDED_DEVICE = $(DEVICE)
 TB      := TRTBUILD_FORCE=$(FORCE) $(PY) -m trtbuild --recipe $(RECIPE)
 SETUP   := $(VENV)/.setup-done
 PYTEST_ARGS ?=

@@ -28,9 +28,11 @@ def hf(tiny_models):
     return model, load_tokenizer(path)
 
 
-@pytest.fixture()
-def engine(hf):
-    eng = EmbeddedEngine(*hf, max_batch_size=3, max_seq_len=256, threads=1)
+@pytest.fixture(params=["slot", "graph"])
+def engine(hf, request):
+    """Both runners: the CPU's SlotRunner and the GPU's GraphRunner (eager on a CPU, token for token
+    the same)."""
+    eng = EmbeddedEngine(*hf, max_batch_size=3, max_seq_len=256, threads=1, runner=request.param)
     yield eng
     eng.shutdown()
 
@@ -255,3 +257,52 @@ def test_cache_growth_past_the_initial_capacity_keeps_serving_exactly(hf):
         assert again.finish_reason in ("stop", "length") and not again.error and again.cached_tokens > 0
     finally:
         eng.shutdown()
+
+
+def test_graph_runner_matches_slot_runner_token_for_token(tiny_models):
+    """The GPU runner's code path (static KV, decode attention per KV head, scratch slot for padded
+    rows) gives the CPU runner's logits exactly, prefix copies and swaps included."""
+    from server.embedded.graph_runner import GraphRunner
+    from server.embedded.loader import load_model
+    from server.embedded.runner import SlotRunner
+
+    for name in ("llama-tir", "qwen-tir"):
+        model = load_model(tiny_models[name])
+        a, b = SlotRunner(model, 4, 128), GraphRunner(model, 4, 128)
+        prompts = [[1, 5, 9, 22, 40], [3, 4], [7, 8, 9, 10, 11, 12, 13]]
+        for r in (a, b):
+            for slot, p in enumerate(prompts):
+                r.prefill(slot, p, 0)
+            r.copy(2, 3, 7)
+            r.swap(0, 1, 5)
+        toks, pos = [5, 6, 7, 8], [2, 5, 7, 7]
+        for _ in range(12):
+            la, lb = a.decode(toks, pos), b.decode(toks, pos)
+            assert torch.equal(la, lb), name
+            toks, pos = la.argmax(-1).tolist(), [p + 1 for p in pos]
+
+
+def test_device_sampler_draws_the_tempered_truncated_distribution():
+    """The device sampler (Gumbel-max over seeded noise) against the exact distributions, and a
+    sample depends only on its seed and step, not on its batch."""
+    from server.embedded.sampler import sample_device
+
+    torch.manual_seed(0)
+    logits = torch.randn(1, 40) * 2
+    n = 20000
+    for p in (SamplingParams(temperature=0.8), SamplingParams(temperature=1.2, top_p=0.9),
+              SamplingParams(temperature=1.0, top_k=5)):
+        toks, _ = sample_device(logits.repeat(n, 1), [p] * n, list(range(n)), [3] * n)
+        freq = torch.bincount(torch.tensor(toks), minlength=40).float() / n
+        probs = torch.softmax(logits[0] / p.temperature, -1)
+        vals, idx = probs.sort(descending=True)
+        keep = ((vals.cumsum(0) - vals) < p.top_p) & (torch.arange(40) < (p.top_k or 40))
+        want = torch.zeros(40)
+        want[idx[keep]] = vals[keep]
+        want /= want.sum()
+        assert 0.5 * float((freq - want).abs().sum()) < 0.02, p
+        assert float(freq[want == 0].sum()) == 0.0, p
+    alone, _ = sample_device(logits, [SamplingParams(temperature=1.0)], [7], [2])
+    batched, _ = sample_device(torch.cat([torch.randn(2, 40), logits]), [SamplingParams(temperature=1.0)] * 3,
+                               [1, 2, 7], [2, 2, 2])
+    assert alone[0] == batched[2]

@@ -1,4 +1,9 @@
-"""The embedded engine: in-flight batching over `SlotRunner`, behind the engine protocol.
+"""The embedded engine: in-flight batching over a slot runner, behind the engine protocol.
+
+On a CPU the runner is `SlotRunner` (the model's own layers, a growing slot cache); on a GPU it is
+`GraphRunner` (static KV, fused projections, CUDA graphs per batch bucket) and sampling runs on the
+device with one host transfer per step. `device` is `auto` (CUDA when there is one), `cpu` or
+`cuda[:N]`; engine folders carry it in their serving section, and every command can override it.
 
 A scheduler thread owns the model. Each iteration it takes new requests and cancellations from
 its inbox, admits waiting requests into free slots (prefill), runs one decode step for every running
@@ -24,9 +29,27 @@ from typing import Any, Callable, Optional
 import torch
 
 from server.embedded.runner import SlotRunner
-from server.embedded.sampler import make_generator, sample
+from server.embedded.sampler import make_generator, sample, sample_device
 from server.protocol import Request, SamplingParams
 from server.stream import EngineBase, RequestStream
+
+
+DEVICE_ENV = "EMBEDDED_DEVICE"  # overrides the engine folder's serving.device for one command
+
+
+def resolve_device(device: str) -> torch.device:
+    """auto: the first CUDA device when there is one, else the CPU; errors name what is wrong."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"device {device!r}: use auto, cpu or cuda[:N]") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: no CUDA device here (torch {torch.__version__}); use auto or cpu")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r}: the embedded engine runs on cpu or cuda")
+    return dev
 
 
 @dataclass
@@ -35,6 +58,7 @@ class _Seq:
 
     stream: RequestStream
     gen: torch.Generator
+    seed: int  # the device sampler's noise key (the CPU sampler uses `gen`)
     slot: int = -1
     kv_len: int = 0  # tokens whose KV is in the slot
     pending: Optional[int] = None  # sampled, not yet in the cache
@@ -83,13 +107,21 @@ class EmbeddedEngine(EngineBase):
 
     def __init__(self, model: Any = None, tokenizer: Any = None, max_batch_size: int = 16, max_seq_len: int = 4096,
                  max_input_len: Optional[int] = None, prefix_reuse: bool = True, threads: Optional[int] = None,
-                 load: Optional[Callable[[], tuple[Any, Any]]] = None):
+                 load: Optional[Callable[[], tuple[Any, Any]]] = None, device: str = "auto",
+                 runner: str = "auto", compile: bool = False):
         """Either a loaded (model, tokenizer) or `load`, which the engine thread runs itself.
 
         All torch work belongs on the engine thread: measured here, a second thread with its own
         OpenMP pool (e.g. the main thread having loaded the model) makes every decode step about
         2x slower on a 2-core CPU. `from_dir` therefore loads inside the engine thread.
+        `runner`: auto (graph on CUDA, slot on CPU), graph or slot; `compile`: torch.compile the
+        graph runner's elementwise work.
         """
+        if runner not in ("auto", "graph", "slot"):
+            raise ValueError(f"EmbeddedEngine: runner must be auto, graph or slot (got {runner!r})")
+        self.device = resolve_device(device)
+        self.runner_kind = runner if runner != "auto" else ("graph" if self.device.type == "cuda" else "slot")
+        self.compile = compile
         if (model is None) == (load is None):
             raise ValueError("EmbeddedEngine: pass either model and tokenizer, or load")
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
@@ -122,8 +154,15 @@ class EmbeddedEngine(EngineBase):
                 torch.set_num_threads(threads or max(1, os.cpu_count() or 1))
             if load is not None:
                 model, tokenizer = load()
+            if self.device.type != "cpu":
+                model = model.to(self.device)
             self.model, self.tokenizer = model, tokenizer
-            self.runner = SlotRunner(model, self.max_batch_size, self.max_seq_len)
+            if self.runner_kind == "graph":
+                from server.embedded.graph_runner import GraphRunner
+
+                self.runner = GraphRunner(model, self.max_batch_size, self.max_seq_len, compile=self.compile)
+            else:
+                self.runner = SlotRunner(model, self.max_batch_size, self.max_seq_len)
             self.eos_ids = self._eos_ids(model, tokenizer)
         except BaseException as e:  # reported to the constructor's caller
             self._load_error = e
@@ -160,12 +199,14 @@ class EmbeddedEngine(EngineBase):
             model_dir = engine_dir / spec["model_dir"]
             limits = spec["limits"]
             kw = dict(max_batch_size=limits["max_batch_size"], max_seq_len=limits["max_seq_len"],
-                      max_input_len=limits["max_input_len"])
+                      max_input_len=limits["max_input_len"], device=(spec.get("serving") or {}).get("device", "auto"))
         elif (engine_dir / "config.json").is_file():
             model_dir, kw = engine_dir, {}
         else:
             raise FileNotFoundError(f"{engine_dir}: neither an embedded engine (engine.json) nor an HF checkpoint "
                                     "(config.json); run `make engine` first")
+        if os.environ.get(DEVICE_ENV):
+            kw["device"] = os.environ[DEVICE_ENV]  # a command's override (make ... DEVICE=cpu)
         kw.update(overrides)
         return cls(load=lambda: (load_model(model_dir), load_tokenizer(model_dir)), **kw)
 
@@ -181,7 +222,8 @@ class EmbeddedEngine(EngineBase):
 
     # ---- the driver (generate, tokenize, detokenize, chat_prompt: EngineBase)
     def _submit(self, stream: RequestStream) -> None:
-        self._inbox.put(("add", _Seq(stream, make_generator(stream.params.seed))))
+        gen = make_generator(stream.params.seed)
+        self._inbox.put(("add", _Seq(stream, gen, gen.initial_seed())))
 
     def cancel(self, request_id: str) -> None:
         self._inbox.put(("cancel", request_id))
@@ -332,7 +374,11 @@ class EmbeddedEngine(EngineBase):
 
     def _sampled(self, seqs: list[_Seq], logits: torch.Tensor) -> None:
         t0 = time.perf_counter()
-        toks, tops = sample(logits, [s.params for s in seqs], [s.gen for s in seqs])
+        if logits.device.type == "cpu":
+            toks, tops = sample(logits, [s.params for s in seqs], [s.gen for s in seqs])
+        else:
+            toks, tops = sample_device(logits, [s.params for s in seqs], [s.seed for s in seqs],
+                                       [len(s.generated) for s in seqs])
         self.stats.sample_seconds += time.perf_counter() - t0
         for s, tok, top in zip(seqs, toks, tops):
             s.pending = tok

@@ -55,3 +55,74 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], gens: Sequenc
                 n = p.top_logprobs
                 tops[i] = tuple(zip(idx[i, :n].tolist(), val[i, :n].tolist()))
     return tokens, tops
+
+
+# ---- on the device: one batched pass, one host sync per step
+_M32 = 0xFFFFFFFF
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 (a well-mixed 32-bit integer hash), on int64 tensors holding 32-bit values."""
+    x = x & _M32
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def gumbel_noise(seeds: torch.Tensor, steps: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Gumbel(0, 1) noise that depends only on (request seed, step, token id): a row's sample is the
+    same whatever else shares the batch, and no per-request generator state lives on the device."""
+    s = seeds.view(-1, 1)
+    x = _hash32(_hash32(s) ^ _hash32((s >> 32) + 0x632BE5AB) ^ _hash32(steps.view(-1, 1) * 0x9E3779B1 + 0x7F4A7C15))
+    x = _hash32(x ^ _hash32(token_ids + 0x2545F491))
+    u = ((x >> 8).float() + 0.5) / float(1 << 24)  # in (0, 1)
+    return -torch.log(-torch.log(u))
+
+
+def sample_device(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int], steps: Sequence[int]
+                  ) -> tuple[list[int], list[Optional[tuple[tuple[int, float], ...]]]]:
+    """`sample` for logits on a GPU: temperature, top-k and top-p as masks over the sorted row, the
+    draw by Gumbel-max over seeded noise; tokens and logprobs come back in one transfer.
+
+    Exactly the same distributions as `sample` (top-p keeps the smallest prefix of the sorted
+    probabilities whose mass reaches p, at least one token); a different random stream.
+    """
+    n, vocab = logits.shape
+    dev = logits.device
+    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+    greedy = temps == 0
+    tokens = torch.argmax(logits, -1)
+    if not bool(all(p.temperature == 0 for p in params)):
+        seed_t = torch.tensor([int(s) & ((1 << 62) - 1) for s in seeds], dtype=torch.long, device=dev)
+        step_t = torch.tensor(list(steps), dtype=torch.long, device=dev)
+        scaled = logits / torch.where(greedy, torch.ones_like(temps), temps).unsqueeze(1)
+        if any(p.top_k or p.top_p < 1.0 for p in params):
+            top_k = torch.tensor([p.top_k or vocab for p in params], dtype=torch.long, device=dev)
+            top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
+            vals, idx = torch.sort(scaled, -1, descending=True)
+            probs = torch.softmax(vals, -1)
+            before = torch.cumsum(probs, -1) - probs  # mass of the tokens ranked above
+            rank = torch.arange(vocab, device=dev).unsqueeze(0)
+            keep = (rank < top_k.unsqueeze(1)) & ((before < top_p.unsqueeze(1)) | (rank == 0))
+            noisy = torch.where(keep, vals + gumbel_noise(seed_t, step_t, idx), torch.full_like(vals, float("-inf")))
+            drawn = idx.gather(1, noisy.argmax(-1, keepdim=True)).squeeze(1)
+        else:
+            ids = torch.arange(vocab, device=dev).unsqueeze(0)
+            drawn = (scaled + gumbel_noise(seed_t, step_t, ids)).argmax(-1)
+        tokens = torch.where(greedy, tokens, drawn)
+    want = max((p.top_logprobs for p in params), default=0)
+    tops: list[Optional[tuple[tuple[int, float], ...]]] = [None] * n
+    if not want:
+        return tokens.tolist(), tops
+    val, idx = torch.topk(torch.log_softmax(logits.float(), -1), min(want, vocab), dim=-1)
+    packed = torch.cat([tokens.view(-1, 1).to(torch.float64), idx.to(torch.float64), val.to(torch.float64)], 1).tolist()
+    out = []
+    for i, p in enumerate(params):
+        row = packed[i]
+        out.append(int(row[0]))
+        if p.top_logprobs:
+            k = p.top_logprobs
+            tops[i] = tuple((int(row[1 + j]), row[1 + want + j]) for j in range(k))
+    return out, tops

@@ -225,6 +225,9 @@ class BudgetSpec:
 
 @dataclass(frozen=True)
 class ServingSpec:
+    # where the embedded engine runs: auto (CUDA when there is one), cpu, cuda or cuda:N; a command
+    # overrides it with EMBEDDED_DEVICE (make ... DEVICE=cpu)
+    device: str = "auto"
     code_tags: CodeTags = field(default_factory=CodeTags)
     sampling: SamplingSpec = field(default_factory=SamplingSpec)
     max_code_calls: int = 4
@@ -449,6 +452,8 @@ def _check(recipe: Recipe, where: str, check_paths: bool) -> None:
         fail("serving.sampling.temperature", "must be in [0, 10]", s.sampling.temperature)
     if not (0.0 < s.sampling.top_p <= 1.0):
         fail("serving.sampling.top_p", "must be in (0, 1]", s.sampling.top_p)
+    if not (s.device in ("auto", "cpu", "cuda") or (s.device.startswith("cuda:") and s.device[5:].isdigit())):
+        fail("serving.device", "must be auto, cpu, cuda or cuda:N", s.device)
     for k in ("code_start", "code_end", "output_start", "output_end"):
         if not getattr(s.code_tags, k):
             fail(f"serving.code_tags.{k}", "must not be empty", getattr(s.code_tags, k))

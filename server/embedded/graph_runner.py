@@ -1,0 +1,264 @@
+"""The embedded engine's forward on a GPU: static KV, fused projections, CUDA graphs per batch bucket.
+
+Same interface as `SlotRunner` (prefill, decode, copy, swap over slot-organised KV), built for the
+shape of a decode step on a GPU, where launches and small kernels, not bytes, set the time of a
+small model (gpt-fast's lesson):
+
+- **Static KV**: one preallocated tensor per layer for K and V, `[slots + 1, kv_heads, max_seq_len,
+  head_dim]`; nothing grows inside a step. The extra slot is scratch: padded rows of a batch bucket
+  write there, so parked slots (kept for prefix reuse) are never touched.
+- **Fused projections**: q/k/v and gate/up are concatenated into one GEMM each (bf16 weights, and
+  int8 weight-only with per-channel scales, where concatenating is exact); FP8 layers keep their
+  per-tensor scales and run as they are.
+- **Decode attention without GQA expansion**: the `group` query heads of one KV head are laid out as
+  `group` query rows of one attention over that head's keys, so SDPA reads each K/V once.
+- **CUDA graphs**: one captured decode step per (batch bucket, context bucket): the batch is padded
+  up to a bucket size and the keys read up to a power-of-two context, so a handful of graphs serve
+  every step. Inputs go through static buffers; one graph replay is the whole step, lm_head included.
+- `compile=True` wraps the elementwise work around the GEMMs (norms, RoPE, SiLU*mul, residuals) in
+  `torch.compile` (inductor fuses them), compiled once with dynamic shapes.
+
+On a CPU the same code runs eagerly (no graphs), which is how the tests check it against
+`SlotRunner` token for token.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from server.embedded.qlinear import Int8WeightOnlyLinear
+from server.embedded.runner import SUPPORTED
+
+MIN_CONTEXT_BUCKET = 256
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """Powers of two up to max_batch, and max_batch itself."""
+    out, b = [], 1
+    while b < max_batch:
+        out.append(b)
+        b *= 2
+    return out + [max_batch]
+
+
+def bucket(n: int, buckets: list[int]) -> int:
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} is above the largest bucket {buckets[-1]}")
+
+
+def context_bucket(length: int, max_seq_len: int) -> int:
+    c = MIN_CONTEXT_BUCKET
+    while c < length:
+        c *= 2
+    return min(c, max_seq_len)
+
+
+def _fuse(mods: list[Any]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """One callable computing the concatenated outputs of several linear layers of the same input."""
+    if all(type(m) is torch.nn.Linear for m in mods):
+        w = torch.cat([m.weight.detach() for m in mods], 0)
+        bias = [m.bias for m in mods]
+        b = torch.cat([x.detach() for x in bias], 0) if all(x is not None for x in bias) else None
+        if any(x is not None for x in bias) and b is None:
+            return lambda x: torch.cat([m(x) for m in mods], -1)
+        return lambda x: F.linear(x, w, b)
+    if all(isinstance(m, Int8WeightOnlyLinear) for m in mods) and all((m.bias is None) == (mods[0].bias is None) for m in mods):
+        fused = Int8WeightOnlyLinear(torch.cat([m.weight for m in mods], 0), torch.cat([m.scale for m in mods], 0),
+                                     None if mods[0].bias is None else torch.cat([m.bias for m in mods], 0),
+                                     mods[0].scale.dtype)
+        return fused
+    return lambda x: torch.cat([m(x) for m in mods], -1)
+
+
+class _Layer:
+    """One decoder layer's weights, as the step needs them."""
+
+    def __init__(self, layer: Any, fuse: bool):
+        a, m = layer.self_attn, layer.mlp
+        self.norm1, self.norm2 = layer.input_layernorm, layer.post_attention_layernorm
+        if fuse:
+            self.qkv = _fuse([a.q_proj, a.k_proj, a.v_proj])
+            self.gate_up = _fuse([m.gate_proj, m.up_proj])
+        else:
+            self.qkv = lambda x: torch.cat([a.q_proj(x), a.k_proj(x), a.v_proj(x)], -1)
+            self.gate_up = lambda x: torch.cat([m.gate_proj(x), m.up_proj(x)], -1)
+        self.o_proj, self.down, self.act = a.o_proj, m.down_proj, m.act_fn
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _pre_attention(h: torch.Tensor, norm: Any, qkv: Any, cos: torch.Tensor, sin: torch.Tensor, nq: int, nkv: int,
+                   d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[T, hidden] -> q [T, nq, d], k and v [T, nkv, d] with RoPE applied (T tokens, any rows)."""
+    x = qkv(norm(h))
+    q, k, v = x.split([nq * d, nkv * d, nkv * d], -1)
+    q, k, v = q.view(-1, nq, d), k.view(-1, nkv, d), v.view(-1, nkv, d)
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    q = (q * c + _rotate_half(q) * s).to(h.dtype)
+    k = (k * c + _rotate_half(k) * s).to(h.dtype)
+    return q, k, v
+
+
+def _post_attention(h: torch.Tensor, o: torch.Tensor, o_proj: Any, norm: Any, gate_up: Any, down: Any,
+                    act: Any) -> torch.Tensor:
+    h = h + o_proj(o)
+    g, u = gate_up(norm(h)).chunk(2, -1)
+    return h + down(act(g) * u)
+
+
+class GraphRunner:
+    def __init__(self, model: Any, num_slots: int, max_seq_len: int, graphs: Optional[bool] = None,
+                 compile: bool = False, fuse: Optional[bool] = None):
+        cfg = model.config
+        if cfg.model_type not in SUPPORTED:
+            raise ValueError(f"embedded runtime: model_type {cfg.model_type!r} is not supported (supported: {SUPPORTED})")
+        self.model, self.inner = model, model.model
+        first = next(p for p in model.parameters() if p.is_floating_point())
+        self.dtype, self.device = first.dtype, first.device
+        cuda = self.device.type == "cuda"
+        self.graphs = cuda if graphs is None else graphs
+        self.nq, self.nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.group = self.nq // self.nkv
+        self.scale = self.d ** -0.5
+        self.num_slots, self.max_seq_len = num_slots, max_seq_len
+        self.capacity = max_seq_len  # static: the scheduler never asks for more
+        self.scratch = num_slots  # padded batch rows write their K/V here
+        # fused GEMMs change the summation blocking: on by default only where speed matters (CUDA)
+        self.layers = [_Layer(layer, cuda if fuse is None else fuse) for layer in self.inner.layers]
+        shape = (num_slots + 1, self.nkv, max_seq_len, self.d)
+        self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        with torch.inference_mode():
+            pos = torch.arange(max_seq_len, device=self.device).unsqueeze(0)
+            probe = torch.zeros(1, 1, cfg.hidden_size, dtype=self.dtype, device=self.device)
+            cos, sin = self.inner.rotary_emb(probe, pos)  # the model's own RoPE (its scaling included)
+        self.cos, self.sin = cos[0].to(self.dtype), sin[0].to(self.dtype)  # [max_seq_len, d]
+        self.pre, self.post = _pre_attention, _post_attention
+        if compile:
+            self.pre = torch.compile(_pre_attention, dynamic=True)
+            self.post = torch.compile(_post_attention, dynamic=True)
+        self.buckets = batch_buckets(num_slots)
+        self._graphs: dict[tuple[int, int], tuple[Any, dict[str, torch.Tensor]]] = {}
+        self._pool: Any = None
+
+    # ---- cache management (same contract as SlotRunner)
+    def ensure_capacity(self, length: int) -> None:
+        if length > self.max_seq_len:
+            raise ValueError(f"sequence of {length} tokens exceeds the engine's max_seq_len {self.max_seq_len}")
+
+    @torch.inference_mode()
+    def copy(self, src: int, dst: int, length: int) -> None:
+        if length <= 0 or src == dst:
+            return
+        for t in (*self.k, *self.v):
+            t[dst, :, :length] = t[src, :, :length]
+
+    @torch.inference_mode()
+    def swap(self, a: int, b: int, length: int) -> None:
+        if length <= 0 or a == b:
+            return
+        for t in (*self.k, *self.v):
+            tmp = t[a, :, :length].clone()
+            t[a, :, :length] = t[b, :, :length]
+            t[b, :, :length] = tmp
+
+    # ---- forward pieces
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(self.inner.norm(h)).float()
+
+    def _decode_step(self, ids: torch.Tensor, pos: torch.Tensor, write_rows: torch.Tensor, ctx: int) -> torch.Tensor:
+        """The whole decode step on static inputs: ids, pos, write_rows [B]; logits [B, V]."""
+        b = ids.shape[0]
+        h = self.inner.embed_tokens(ids)
+        cos, sin = self.cos[pos], self.sin[pos]
+        mask = (torch.arange(ctx, device=ids.device).unsqueeze(0) <= pos.unsqueeze(1)).view(b, 1, 1, ctx)
+        for i, layer in enumerate(self.layers):
+            q, k, v = self.pre(h, layer.norm1, layer.qkv, cos, sin, self.nq, self.nkv, self.d)
+            self.k[i][write_rows, :, pos] = k
+            self.v[i][write_rows, :, pos] = v
+            keys, values = self.k[i][:b, :, :ctx], self.v[i][:b, :, :ctx]
+            # the group query heads of one KV head are `group` query rows of one attention: no expansion
+            o = F.scaled_dot_product_attention(q.view(b, self.nkv, self.group, self.d), keys, values,
+                                               attn_mask=mask, scale=self.scale)
+            h = self.post(h, o.reshape(b, self.nq * self.d), layer.o_proj, layer.norm2, layer.gate_up, layer.down,
+                          layer.act)
+        return self._logits(h)
+
+    @torch.inference_mode()
+    def prefill(self, slot: int, token_ids: list[int], start: int) -> torch.Tensor:
+        """Write KV for token_ids at positions [start, start+n) of `slot`; logits [V] of the last one."""
+        n = len(token_ids)
+        end = start + n
+        self.ensure_capacity(end)
+        dev = self.device
+        ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
+        pos = torch.arange(start, end, device=dev)
+        h = self.inner.embed_tokens(ids)
+        cos, sin = self.cos[pos], self.sin[pos]
+        mask = torch.arange(end, device=dev).unsqueeze(0) <= pos.unsqueeze(1)  # [n, end]
+        for i, layer in enumerate(self.layers):
+            q, k, v = self.pre(h, layer.norm1, layer.qkv, cos, sin, self.nq, self.nkv, self.d)
+            self.k[i][slot, :, start:end] = k.transpose(0, 1)
+            self.v[i][slot, :, start:end] = v.transpose(0, 1)
+            keys, values = self.k[i][slot, :, :end], self.v[i][slot, :, :end]  # [nkv, end, d]
+            if self.group > 1:
+                keys, values = keys.repeat_interleave(self.group, 0), values.repeat_interleave(self.group, 0)
+            o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+                                               attn_mask=mask, scale=self.scale)  # [1, nq, n, d]
+            h = self.post(h, o[0].transpose(0, 1).reshape(n, self.nq * self.d), layer.o_proj, layer.norm2,
+                          layer.gate_up, layer.down, layer.act)
+        return self._logits(h[-1])
+
+    @torch.inference_mode()
+    def decode(self, token_ids: list[int], positions: list[int]) -> torch.Tensor:
+        """One token for each slot 0..n-1 at its position; logits [n, V] (on the runner's device)."""
+        n = len(token_ids)
+        longest = max(positions) + 1
+        self.ensure_capacity(longest)
+        # buckets only where graphs need them: masked padding keys change the CPU kernel's summation order
+        b = bucket(n, self.buckets) if self.graphs else n
+        ctx = context_bucket(longest, self.max_seq_len) if self.graphs else longest
+        pad = b - n
+        ids = torch.tensor(list(token_ids) + [0] * pad, dtype=torch.long)
+        pos = torch.tensor(list(positions) + [0] * pad, dtype=torch.long)
+        rows = torch.tensor(list(range(n)) + [self.scratch] * pad, dtype=torch.long)
+        if not self.graphs:
+            dev = self.device
+            return self._decode_step(ids.to(dev), pos.to(dev), rows.to(dev), ctx)[:n]
+        graph, io = self._graph(b, ctx)
+        io["ids"].copy_(ids, non_blocking=True)
+        io["pos"].copy_(pos, non_blocking=True)
+        io["rows"].copy_(rows, non_blocking=True)
+        graph.replay()
+        return io["logits"][:n]
+
+    def _graph(self, b: int, ctx: int) -> tuple[Any, dict[str, torch.Tensor]]:
+        """The captured decode step for (batch bucket, context bucket), captured on first use."""
+        key = (b, ctx)
+        if key in self._graphs:
+            return self._graphs[key]
+        dev = self.device
+        io = {"ids": torch.zeros(b, dtype=torch.long, device=dev), "pos": torch.zeros(b, dtype=torch.long, device=dev),
+              "rows": torch.full((b,), self.scratch, dtype=torch.long, device=dev)}
+        stream = torch.cuda.Stream(device=dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up: lazy inits and (with compile) the compiled kernels happen here
+                self._decode_step(io["ids"], io["pos"], io["rows"], ctx)
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self._pool):
+            io["logits"] = self._decode_step(io["ids"], io["pos"], io["rows"], ctx)
+        self._graphs[key] = (graph, io)
+        return graph, io
