@@ -172,21 +172,23 @@ def infer_input_names(text: str, function: str, where: str) -> list[str]:
 
 # ------------------------------------------------------------------ C++ bindings and sources (regex)
 def binding_keywords(text: str, where: str) -> dict[str, dict[str, list[str]]]:
-    """{class: {positional: [...], keyword: [...]}} from nanobind/pybind `arg("name")` lists."""
+    """{class: {positional, keyword, required}} from nanobind/pybind `arg("name")` lists (required: no default)."""
     out: dict[str, dict[str, list[str]]] = {}
     pieces = re.split(r'(?:nb|py|nano)::class_<[\w:]+>\(m, "(\w+)"\)', text)
     for cls, body in zip(pieces[1::2], pieces[2::2]):
         init = body.split(".def_", 1)[0]
-        names, positional, kw_only = [], [], False
-        for m in re.finditer(r'::(kw_only)\(\)|::arg(?:_v)?\("(\w+)"\)', init):
+        names, positional, required, kw_only = [], [], [], False
+        for m in re.finditer(r'::(kw_only)\(\)|::arg(_v)?\("(\w+)"(\)\s*=|,)?', init):
             if m.group(1):
                 kw_only = True
                 continue
-            names.append(m.group(2))
+            names.append(m.group(3))
             if not kw_only:
-                positional.append(m.group(2))
+                positional.append(m.group(3))
+            if not (m.group(2) or m.group(4)):
+                required.append(m.group(3))
         if names:
-            out[cls] = {"positional": positional, "keyword": names}
+            out[cls] = {"positional": positional, "keyword": names, "required": required}
     if not out:
         raise ExtractError(f"{where}: no binding keyword lists found")
     return out
