@@ -33,7 +33,7 @@ TRITON_HTTP_PORT ?= 8000
 TRITON_METRICS_PORT ?= 8002
 TRITON_URL ?= localhost:$(TRITON_GRPC_PORT)
 
-.PHONY: help setup triton-setup triton kaggle eval engine sources merge quantize drafter build report check solve test bench clean doctor gpu-smoke trtllm-venv
+.PHONY: help setup triton-setup triton kaggle kaggle-trtllm-wheels eval engine sources merge quantize drafter build report check solve test bench clean doctor gpu-smoke trtllm-venv
 
 help:
 	@echo "make setup                 create $(VENV) with the pinned embedded environment"
@@ -143,11 +143,24 @@ eval: build
 		--variants "$(VARIANTS)" --out runs/$(MODEL)/eval
 	$(PY) -m server.replay --eval runs/$(MODEL)/eval/eval.json --out runs/$(MODEL)/eval/replay.json
 
-# the Kaggle dataset folder (wheels, engine, problems, notebook); KAGGLE_WHEELS=project ships only our wheel
+# the Kaggle dataset folder (wheels, engine, problems, notebook); KAGGLE_WHEELS=project ships only our wheel.
+# BACKEND=trtllm: the TensorRT-LLM engine plus a TensorRT-LLM 1.2.x wheel set you provide (TRTLLM_WHEELS=dir);
+# its notebook needs a GPU, so it is not run here.
 KAGGLE_WHEELS ?= runtime
+TRTLLM_WHEELS ?=
+ifeq ($(BACKEND),trtllm)
+kaggle: kaggle-trtllm-wheels build
+	$(PY) -m server.kaggle.package --recipe $(RECIPE) --out $(OUT)/kaggle --backend trtllm \
+		--trtllm-wheels "$(TRTLLM_WHEELS)" --problems $(PROBLEMS)
+	@echo "== $(OUT)/kaggle: upload it as a dataset; its notebook runs on a Kaggle GPU (TensorRT-LLM cannot run here)"
+
+kaggle-trtllm-wheels:
+	@test -n "$(TRTLLM_WHEELS)" && test -d "$(TRTLLM_WHEELS)" || { echo "make kaggle BACKEND=trtllm: set TRTLLM_WHEELS to a folder with the tensorrt_llm-1.2.x wheel and its dependencies' wheels (pip download tensorrt-llm==1.2.1 -d DIR where NVIDIA's index is reachable); got '$(TRTLLM_WHEELS)'"; exit 2; }
+else
 kaggle: build
 	$(PY) -m server.kaggle.package --recipe $(RECIPE) --out $(OUT)/kaggle --wheels $(KAGGLE_WHEELS) --problems $(PROBLEMS)
 	$(PY) -m server.kaggle.execute --dataset $(OUT)/kaggle --out $(OUT)/kaggle-run
+endif
 
 doctor: $(SETUP)
 	@$(TB) doctor || echo "(doctor: the recipe's backend is not usable on this machine; reasons above)"

@@ -151,3 +151,68 @@ def test_generated_notebook_runs_offline_end_to_end(tiny_models, tmp_path):
     assert (site / "server" / "kaggle" / "predict.py").is_file()  # the notebook ran the installed wheel
     assert "installed 1 wheels" in report["printed"]
     assert (out / "aimo_trt.executed.ipynb").is_file()
+
+
+# ------------------------------------------------------------------ make kaggle BACKEND=trtllm
+def trtllm_engine_folder(tmp_path: Path) -> Path:
+    """A build/trtllm/ folder as `make engine BACKEND=trtllm` leaves it (engine.json, engine/, model/)."""
+    sources = {"cot": {"kind": "hf", "path": "a"}, "tir": {"kind": "hf", "path": "b"}}
+    recipe = load_recipe(write_recipe(tmp_path, "kgt", sources, build={"backend": "trtllm"}), check_paths=False)
+    out = tmp_path / "trtllm-engine"
+    (out / "engine").mkdir(parents=True)
+    (out / "engine" / "rank0.engine").write_bytes(b"plan")
+    (out / "engine.json").write_text(json.dumps(engine_config(recipe, "trtllm")))
+    return out
+
+
+def wheel_set(tmp_path: Path, names=("tensorrt_llm-1.2.1-cp312-cp312-linux_x86_64.whl",
+                                     "transformers-4.57.3-py3-none-any.whl")) -> Path:
+    d = tmp_path / "trtllm-wheels"
+    d.mkdir()
+    for n in names:
+        (d / n).write_bytes(b"wheel")
+    return d
+
+
+def test_a_trtllm_engine_without_the_tensorrt_llm_wheels_fails_clearly(tmp_path):
+    from server.kaggle.package import build
+
+    problems = tmp_path / "p.csv"
+    problems.write_text("id,problem,answer\na,one,1\n")
+    eng = trtllm_engine_folder(tmp_path)
+    with pytest.raises(ValueError, match="TRTLLM_WHEELS"):
+        build(eng, tmp_path / "out", problems)
+    with pytest.raises(ValueError, match="no tensorrt_llm-1.2.x"):
+        build(eng, tmp_path / "out", problems, trtllm_wheels=wheel_set(tmp_path, ("torch-2.9.1-cp312-none.whl",)))
+    assert not (tmp_path / "out").exists()
+
+
+def test_trtllm_kaggle_folder_ships_the_wheel_set_and_the_notebook_installs_it_offline(tmp_path):
+    from server.kaggle.package import build
+
+    problems = tmp_path / "p.csv"
+    problems.write_text("id,problem,answer\na,one,1\n")
+    out = tmp_path / "aimo-trt"
+    info = build(trtllm_engine_folder(tmp_path), out, problems, wheels="runtime", trtllm_wheels=wheel_set(tmp_path))
+    assert info["backend"] == "trtllm" and info["mode"] == "project"  # TensorRT-LLM's set brings its own pins
+    assert sorted(p.name for p in (out / "wheels" / "trtllm").iterdir()) == [
+        "tensorrt_llm-1.2.1-cp312-cp312-linux_x86_64.whl", "transformers-4.57.3-py3-none-any.whl"]
+    assert [w.startswith("aimo_trt-") for w in info["wheels"]] == [True]
+    assert json.loads((out / "engine" / "engine.json").read_text())["backend"] == "trtllm"
+    assert (out / "engine" / "engine" / "rank0.engine").is_file()
+    cells = ["".join(c["source"]) for c in json.loads((out / "aimo_trt.ipynb").read_text())["cells"]]
+    install = [i for i, c in enumerate(cells) if "--find-links" in c]
+    predictor = [i for i, c in enumerate(cells) if "Predictor(" in c]
+    assert len(install) == 1 and install[0] < predictor[0]
+    text = cells[install[0]]
+    assert '"--no-index"' in text and '"wheels", "trtllm"' in text and "tensorrt-llm>=1.2,<1.3" in text
+    assert '"--target", SITE' in text and "http" not in text
+
+
+def test_make_kaggle_trtllm_without_wheels_stops_before_any_work():
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(["make", "-s", "kaggle", "BACKEND=trtllm", "TRTLLM_WHEELS="], cwd=root,
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "set TRTLLM_WHEELS" in proc.stdout + proc.stderr

@@ -1,8 +1,9 @@
 """Contract tests of the tensorrtllm_backend model repository and launch command (no Triton needed).
 
 The templates here are a test double of tensorrtllm_backend v1.2.x's `all_models/inflight_batcher_llm`
-(the placeholders the toolkit fills, plus ones it leaves to the backend's defaults); the checks pin
-what the generated config.pbtxt files say for an engine built from the recipe.
+written from the upstream snapshot (every placeholder of the upstream templates, in the same kind of
+position: tests/triton_double.py); the checks pin what the generated config.pbtxt files say for an
+engine built from the recipe, and that nothing is left unfilled that Triton could not parse.
 """
 
 from __future__ import annotations
@@ -12,32 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from server.triton import repository
 from server.triton.repository import MODELS, launch_command, make_repository
+from triton_double import write_templates
+from upstream import snapshot
 
-TEMPLATE_KEYS = {
-    "tensorrt_llm": ["triton_backend", "triton_max_batch_size", "decoupled_mode", "max_queue_delay_microseconds",
-                     "engine_dir", "batching_strategy", "kv_cache_free_gpu_mem_fraction", "enable_kv_cache_reuse",
-                     "enable_chunked_context", "exclude_input_in_output", "cancellation_check_period_ms",
-                     "decoding_mode", "gpu_device_ids", "max_beam_width", "logits_datatype",
-                     "max_tokens_in_paged_kv_cache"],
-    "preprocessing": ["triton_max_batch_size", "tokenizer_dir", "add_special_tokens", "preprocessing_instance_count"],
-    "postprocessing": ["triton_max_batch_size", "tokenizer_dir", "skip_special_tokens", "postprocessing_instance_count"],
-    "ensemble": ["triton_max_batch_size", "logits_datatype"],
-    "tensorrt_llm_bls": ["triton_max_batch_size", "decoupled_mode", "bls_instance_count", "accumulate_tokens",
-                         "tensorrt_llm_model_name", "tensorrt_llm_draft_model_name", "logits_datatype"],
-}
-
-
-def templates(tmp_path: Path, drop: tuple[str, str] | None = None) -> Path:
-    root = tmp_path / "inflight_batcher_llm"
-    for model, keys in TEMPLATE_KEYS.items():
-        (root / model / "1").mkdir(parents=True)
-        lines = [f'name: "{model}"'] + [f'parameters: {{ key: "{k}" value: {{ string_value: "${{{k}}}" }} }}'
-                                         for k in keys if (model, k) != drop]
-        (root / model / "config.pbtxt").write_text("\n".join(lines) + "\n")
-        if model in ("preprocessing", "postprocessing", "tensorrt_llm_bls"):
-            (root / model / "1" / "model.py").write_text("# the backend's python model\n")
-    return root
+def templates(tmp_path: Path, drop: tuple[str, str] | None = None, **extra) -> Path:
+    return write_templates(tmp_path, drop, **extra)
 
 
 def engine(tmp_path: Path, drafter: bool = False, devices=None) -> Path:
@@ -56,8 +38,12 @@ def engine(tmp_path: Path, drafter: bool = False, devices=None) -> Path:
 
 
 def params(config: str) -> dict[str, str]:
+    """Parameter values, and the double's bare settings (`setting_<key>: value`), by placeholder name."""
     out = {}
     for line in config.splitlines():
+        if line.startswith("setting_"):
+            key, value = line[len("setting_"):].split(": ", 1)
+            out[key] = value
         if line.startswith("parameters"):
             key = line.split('key: "')[1].split('"')[0]
             out[key] = line.split('string_value: "')[1].split('"')[0]
@@ -76,7 +62,8 @@ def test_repository_for_a_redrafter_tp2_engine(tmp_path):
     assert trt["kv_cache_free_gpu_mem_fraction"] == "0.85" and trt["enable_kv_cache_reuse"] == "true"
     assert trt["enable_chunked_context"] == "true" and trt["exclude_input_in_output"] == "true"
     assert trt["max_queue_delay_microseconds"] == "100" and trt["decoding_mode"] == "redrafter"
-    assert trt["gpu_device_ids"] == "0,1" and trt["max_beam_width"] == "1" and trt["logits_datatype"] == "TYPE_FP32"
+    assert trt["gpu_device_ids"] == "0,1" and trt["max_beam_width"] == "1"
+    assert 'name: "draft_logits" data_type: TYPE_FP32' in (out / "tensorrt_llm" / "config.pbtxt").read_text()
     assert trt["max_tokens_in_paged_kv_cache"] == "${max_tokens_in_paged_kv_cache}"  # the backend's default
     for model in ("preprocessing", "postprocessing"):
         p = params((out / model / "config.pbtxt").read_text())
@@ -130,3 +117,69 @@ def test_deploy_without_a_trtllm_engine_says_what_to_build(tiny_models, tmp_path
                                                 "tir": {"kind": "hf", "path": str(tiny_models["llama-tir"])}})
     assert main(["--recipe", str(recipe), "--out", str(tmp_path / "repo")]) == 2
     assert "make engine MODEL=nobuild BACKEND=trtllm" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ issue 17: what upstream's templates need
+def test_fill_template_defaults_are_upstreams():
+    """tools/fill_template.py fills these in every template unless told otherwise."""
+    assert getattr(repository, 'FILL_TEMPLATE_DEFAULTS', None) == {k: str(v) for k, v in snapshot()["triton"]["fill_template_defaults"].items()}
+
+
+def filled(tmp_path: Path, model: str) -> tuple[str, dict]:
+    out = tmp_path / "repo"
+    report = make_repository(engine(tmp_path), out, templates(tmp_path))
+    return (out / model / "config.pbtxt").read_text(), report["models"][model]
+
+
+def no_bare_placeholders(model: str, text: str) -> None:
+    bare = [k for k in snapshot()["triton"]["templates"][model]["bare_placeholders"] if f"${{{k}}}" in text]
+    assert bare == [], f"{model}: {bare} left unfilled outside a string: Triton cannot parse the file"
+
+
+def test_item1_tensorrt_llm_queue_policy_is_filled(tmp_path):
+    text, report = filled(tmp_path, "tensorrt_llm")
+    no_bare_placeholders("tensorrt_llm", text)
+    trt = params(text)
+    assert trt["max_queue_size"] == "0" and trt["max_queue_delay_microseconds"] == "100"
+    assert set(report["backend_defaults"]) <= getattr(repository, 'BACKEND_DEFAULTS', {}).get("tensorrt_llm", set())
+
+
+def test_item2_preprocessing_dynamic_batching_is_filled(tmp_path):
+    text, _ = filled(tmp_path, "preprocessing")
+    no_bare_placeholders("preprocessing", text)
+    pre = params(text)
+    assert pre["max_queue_size"] == "0" and pre["max_queue_delay_microseconds"] == "100"
+
+
+def test_item3_tensorrt_llm_prompt_embedding_table_type_is_filled(tmp_path):
+    assert "prompt_embedding_table_data_type" in snapshot()["triton"]["docs_fill_keys"]["tensorrt_llm"]
+    text, _ = filled(tmp_path, "tensorrt_llm")
+    assert 'name: "prompt_embedding_table" data_type: TYPE_FP16' in text
+
+
+def test_no_model_keeps_a_placeholder_triton_cannot_parse(tmp_path):
+    out = tmp_path / "repo"
+    make_repository(engine(tmp_path), out, templates(tmp_path))
+    for model in MODELS:
+        no_bare_placeholders(model, (out / model / "config.pbtxt").read_text())
+
+
+def test_every_upstream_string_placeholder_is_filled_or_a_known_backend_default(tmp_path):
+    """A new upstream parameter must be classified here before deploying with those templates."""
+    from server.triton.repository import values
+
+    spec = json.loads((engine(tmp_path, drafter=True, devices=[0]) / "engine.json").read_text())
+    vals = values(tmp_path / "build" / "trtllm", spec)
+    for model, facts in snapshot()["triton"]["templates"].items():
+        quoted = set(facts["placeholders"]) - set(facts["bare_placeholders"])
+        unclassified = quoted - set(vals[model]) - getattr(repository, 'BACKEND_DEFAULTS', {}).get(model, set())
+        assert not unclassified, f"{model}: {sorted(unclassified)}"
+        assert set(facts["bare_placeholders"]) <= set(vals[model]), model
+
+
+@pytest.mark.parametrize("extra", [dict(extra_bare=("preprocessing", "max_new_queue_knob")),
+                                   dict(extra_quoted=("tensorrt_llm", "new_parameter"))])
+def test_a_placeholder_the_toolkit_does_not_know_fails_naming_file_and_key(tmp_path, extra):
+    model, key = next(iter(extra.values()))
+    with pytest.raises(ValueError, match=rf"{model}/config.pbtxt: .*\$\{{{key}\}}"):
+        make_repository(engine(tmp_path), tmp_path / "repo", templates(tmp_path, **extra))

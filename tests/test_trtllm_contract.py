@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 import trtllm_double as dbl
+from upstream import snapshot
 from server.protocol import Delta, Final, Request, SamplingParams, collect
 from small_recipes import write_recipe
 from trtbuild import build as build_stage
@@ -502,3 +503,66 @@ def test_the_trained_drafter_is_attached_by_default(project, examples, tmp_path)
     runner = dbl.FakeRunner()
     build_stage.run(recipe, "trtllm", trtllm_env=gpu_env(examples), runner=runner)
     assert flags(runner.commands[1][1], 2)["--drafter_model_dir"] == str(trained)
+
+
+# ------------------------------------------------------------------ issue 17: what upstream source says
+def test_int8_wo_with_redrafter_keeps_the_drafter_out_of_quantization(project, examples, tmp_path):
+    """W8A16 + ReDrafter (engines/mix.yaml): QuantConfig must carry a list, or the converter leaves the
+    drafter quantized and trtllm-build stops (snapshot: redrafter, quantization)."""
+    from trtbuild.trtllm.convert import DEFAULT_EXCLUDE_MODULES
+
+    up = snapshot()["quantization"]
+    assert list(DEFAULT_EXCLUDE_MODULES) == up["default_exclude_modules"]
+    recipe = project(drafter={"kind": "redrafter", "path": str(drafter_folder(tmp_path))})
+    runner = dbl.FakeRunner()
+    build_stage.run(recipe, "trtllm", trtllm_env=gpu_env(examples), runner=runner)
+    (_, call), = [c for c in dbl.CALLS if c[0].endswith("from_hugging_face")]
+    assert set(up["default_exclude_modules"]) <= set(call["quant_config"].exclude_modules)
+    attached = json.loads((recipe.out_dir / "trtllm" / "redrafter" / "config.json").read_text())
+    assert set(dbl.drafter_modules(2, True)) <= set(attached["quantization"]["exclude_modules"])
+    assert [n for n, _, _ in runner.commands] == ["checkpoint", "redrafter", "engine"]
+
+
+def test_int8_wo_with_fp8_kv_through_quantize_py_also_excludes_the_drafter(project, examples, tmp_path):
+    """quantize.py accepts int8_wo with an FP8 KV cache (ModelOpt leaves the weights, the checkpoint says
+    W8A16); its exclude_modules may be null, so the build writes the list before ReDrafter."""
+    up = snapshot()
+    assert "int8_wo" in up["commands"]["quantize.py"]["flags"]["--qformat"]["choices"]
+    assert "fp8" in up["commands"]["quantize.py"]["flags"]["--kv_cache_dtype"]["choices"]
+    assert up["quantization"]["quantize_py_int8_wo"]["checkpoint_quant_algo"] == "W8A16"
+    recipe = project(quantize={"kv_cache_dtype": "fp8"},
+                     drafter={"kind": "redrafter", "path": str(drafter_folder(tmp_path))})
+    runner = dbl.FakeRunner()
+    build_stage.run(recipe, "trtllm", trtllm_env=gpu_env(examples), runner=runner)
+    assert flags(runner.commands[0][1], 2)["--qformat"] == "int8_wo"
+    ckpt = json.loads((recipe.out_dir / "trtllm" / "checkpoint" / "config.json").read_text())
+    assert ckpt["quantization"]["exclude_modules"] == up["quantization"]["default_exclude_modules"]
+    assert [n for n, _, _ in runner.commands] == ["checkpoint", "redrafter", "engine"]
+
+
+def test_a_modelopt_export_without_an_exclusion_list_is_refused_before_redrafter(project, examples, tmp_path):
+    recipe = project(build={"quantization": "fp8"}, trtllm={"fp8_checkpoint": "modelopt_export"},
+                     drafter={"kind": "redrafter", "path": str(drafter_folder(tmp_path))})
+    runner = dbl.FakeRunner()
+    with pytest.raises(RuntimeError, match="exclude_modules is null"):
+        build_stage.run(recipe, "trtllm", trtllm_env=gpu_env(examples), runner=runner)
+    assert runner.commands == []
+
+
+def test_streamed_log_probs_are_cumulative_and_the_engine_keeps_only_each_deltas(engine_dir):
+    """llmRequest.cpp: a streamed Result's output_token_ids are the new tokens, its log_probs cover every
+    token so far; ReDrafter responses carry several tokens. Each Delta must pair its own tokens with
+    their own logprobs."""
+    st = snapshot()["executor"]["streaming"]
+    assert st["output_token_ids_per_delta"] and st["log_probs_cumulative"]
+    eng = open_engine(engine_dir, lambda p: list(range(30, 41)))
+    dbl.Executor.tokens_per_step = 3
+    try:
+        deltas, final = run(collect(eng, Request([5, 6], SamplingParams(temperature=0, max_tokens=11,
+                                                                         top_logprobs=1))))
+        got = [(tok, lp) for d in deltas for ((tok, lp),) in (d.logprobs or ())]
+        assert list(final.token_ids) == list(range(30, 41))
+        assert got == [(30 + i, dbl.logprob_of(i)) for i in range(11)]
+        assert max(len(d.token_ids) for d in deltas) == 3  # several tokens per response
+    finally:
+        eng.shutdown()

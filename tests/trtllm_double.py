@@ -1,17 +1,20 @@
 """A test double of the TensorRT-LLM 1.2.x surface this toolkit uses (tests only; contract tests).
 
-`install(monkeypatch)` puts a fake `tensorrt_llm` package into sys.modules. Constructors take the
-real keyword names (from the 1.2.x bindings and model classes) and no others, so a misspelt or
-invented argument fails the test with TypeError. Calls are recorded in `CALLS`.
+`install(monkeypatch)` puts a fake `tensorrt_llm` package into sys.modules. What the fake accepts comes
+from upstream source, through the snapshot `tests/upstream/trtllm_1_2.json` (see `tests/upstream/extract.py`):
+the bindings' positional and keyword names (a misspelt or invented argument is a TypeError), QuantConfig's
+fields, the command-line flags and choices of trtllm-build, quantize.py and the ReDrafter converter, and
+the streaming semantics (`output_token_ids` only the new tokens, `log_probs` cumulative over everything
+generated). Calls are recorded in `CALLS`.
 
-The fake `Executor` is a small in-flight batching simulator: a thread advances every running request
-by one token per step from a script (prompt ids -> token ids), streams `Response`s the way the C++
-executor does (only the new tokens, `is_final` with a `FinishReason`), honours `cancel_request`, and
-can be told to fail a request or to die.
+The fake `Executor` is a small in-flight batching simulator: a thread advances every running request by
+`tokens_per_step` tokens per step (ReDrafter accepts several) from a script (prompt ids -> token ids),
+streams `Response`s as the C++ executor does, honours `cancel_request`, and can fail a request or die.
 
-`FLAGS` lists the command-line flags of the three TensorRT-LLM commands the build runs, and
-`FakeRunner` checks each command against them before "running" it (the convert step really runs
-`trtbuild.trtllm.convert` in-process against the fake module).
+`FakeRunner` checks each build command against the upstream flags before "running" it and produces
+what the real step writes, including the behaviour that matters between steps: quantize.py's checkpoint
+config, the ReDrafter converter excluding the drafter from quantization only when `exclude_modules` is a
+list, and trtllm-build failing on quantized drafter layers without scales.
 """
 
 from __future__ import annotations
@@ -27,23 +30,41 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from upstream import snapshot
+
 CALLS: list[tuple[str, dict[str, Any]]] = []
+UP = snapshot()
 
 
 # ------------------------------------------------------------------ tensorrt_llm.quantization / models
-class QuantAlgo(str, enum.Enum):
+class QuantAlgo(str, enum.Enum):  # the members the toolkit uses (mode.py not read: see the snapshot's not_read)
     W8A16 = "W8A16"
     W4A16 = "W4A16"
     FP8 = "FP8"
     INT8 = "INT8"
 
 
-@dataclass
+_QUANT_DEFAULTS = {"group_size": 128, "smoothquant_val": 0.5, "use_meta_recipe": False, "has_zero_point": False,
+                   "pre_quant_scale": False}
+
+
 class QuantConfig:
-    quant_algo: Optional[QuantAlgo] = None
-    kv_cache_quant_algo: Optional[QuantAlgo] = None
-    group_size: int = 128
-    exclude_modules: Optional[list[str]] = None
+    """QuantConfig with upstream's field names only (`quantization.quant_config_fields`)."""
+
+    FIELDS = tuple(UP["quantization"]["quant_config_fields"])
+
+    def __init__(self, **kw: Any):
+        unknown = sorted(set(kw) - set(self.FIELDS))
+        if unknown:
+            raise TypeError(f"QuantConfig has no field(s) {unknown} (upstream fields: {list(self.FIELDS)})")
+        for name in self.FIELDS:
+            setattr(self, name, kw.get(name, _QUANT_DEFAULTS.get(name)))
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {n: getattr(self, n) for n in self.FIELDS}
+        for k in ("quant_algo", "kv_cache_quant_algo"):
+            out[k] = out[k].value if isinstance(out[k], QuantAlgo) else out[k]
+        return out
 
 
 @dataclass
@@ -71,15 +92,15 @@ class _FakeModel:
         return cls(hf_model_or_dir, dtype, mapping or Mapping(), quant_config or QuantConfig())
 
     def save_checkpoint(self, output_dir: str, save_config: bool = True) -> None:
+        """Writes what PretrainedConfig.to_dict writes for the parts the later steps read."""
         CALLS.append(("save_checkpoint", dict(output_dir=output_dir, save_config=save_config, rank=self.mapping.rank)))
         out = Path(output_dir)
         (out / f"rank{self.mapping.rank}.safetensors").write_bytes(b"fake")
         if save_config:
-            algo = self.quant_config.quant_algo
             (out / "config.json").write_text(json.dumps({
                 "architecture": self.architecture, "dtype": self.dtype,
                 "mapping": {"world_size": self.mapping.world_size, "tp_size": self.mapping.tp_size},
-                "quantization": {"quant_algo": algo.value if algo else None}}))
+                "quantization": self.quant_config.to_dict()}))
 
 
 class LLaMAForCausalLM(_FakeModel):
@@ -111,13 +132,7 @@ class CommunicationMode(enum.Enum):
     ORCHESTRATOR = 1
 
 
-class FinishReason(enum.Enum):
-    NOT_FINISHED = 0
-    END_ID = 1
-    STOP_WORDS = 2
-    LENGTH = 3
-    TIMED_OUT = 4
-    CANCELLED = 5
+FinishReason = enum.Enum("FinishReason", UP["executor"]["finish_reasons"], start=0)
 
 
 class DecodingMode:
@@ -141,100 +156,65 @@ def _record(name: str, kw: dict[str, Any]) -> dict[str, Any]:
     return kw
 
 
-class _KwObject:
-    """Holds its keyword arguments as attributes (like the bindings' read-write properties)."""
+class _Bound:
+    """Constructed as the binding is: upstream's positional and keyword names (the snapshot), no others.
 
-    def __init__(self, **kw: Any):
-        self.__dict__.update(_record(type(self).__name__, kw))
+    The arguments given become attributes (the bindings' read-write properties); the others read as
+    `DEFAULTS` or None.
+    """
 
+    DEFAULTS: dict[str, Any] = {}
 
-class DecodingConfig(_KwObject):
-    def __init__(self, *, decoding_mode: Optional[DecodingMode] = None, lookahead_decoding_config: Any = None,
-                 medusa_choices: Any = None, eagle_config: Any = None):
-        super().__init__(decoding_mode=decoding_mode, lookahead_decoding_config=lookahead_decoding_config,
-                         medusa_choices=medusa_choices, eagle_config=eagle_config)
-
-
-class KvCacheConfig(_KwObject):
-    def __init__(self, enable_block_reuse: bool = True, max_tokens: Optional[int] = None,
-                 max_attention_window: Optional[list[int]] = None, sink_token_length: Optional[int] = None,
-                 free_gpu_memory_fraction: Optional[float] = None, host_cache_size: Optional[int] = None,
-                 onboard_blocks: bool = True, cross_kv_cache_fraction: Optional[float] = None,
-                 secondary_offload_min_priority: Optional[int] = None, event_buffer_max_size: int = 0, *,
-                 enable_partial_reuse: bool = True, copy_on_partial_reuse: bool = True, use_uvm: bool = False,
-                 runtime_defaults: Any = None):
-        super().__init__(enable_block_reuse=enable_block_reuse, max_tokens=max_tokens,
-                         free_gpu_memory_fraction=free_gpu_memory_fraction, host_cache_size=host_cache_size)
-
-
-class ParallelConfig(_KwObject):
-    def __init__(self, communication_type: CommunicationType = CommunicationType.MPI,
-                 communication_mode: CommunicationMode = CommunicationMode.LEADER,
-                 device_ids: Optional[list[int]] = None, participant_ids: Optional[list[int]] = None,
-                 orchestrator_config: Any = None, num_nodes: Optional[int] = None):
-        super().__init__(communication_type=communication_type, communication_mode=communication_mode,
-                         device_ids=device_ids, participant_ids=participant_ids)
+    def __init__(self, *args: Any, **kw: Any):
+        name = type(self).__name__
+        spec = UP["executor"]["keywords"][name]
+        if len(args) > len(spec["positional"]):
+            raise TypeError(f"{name}() takes {len(spec['positional'])} positional arguments, got {len(args)}")
+        bound = dict(zip(spec["positional"], args))
+        for k in kw:
+            if k not in spec["keyword"]:
+                raise TypeError(f"{name}() got an unexpected keyword argument {k!r}")
+            if k in bound:
+                raise TypeError(f"{name}() got multiple values for argument {k!r}")
+        bound.update(kw)
+        missing = [r for r in spec["required"] if r not in bound]
+        if missing:
+            raise TypeError(f"{name}() missing required argument(s) {missing}")
+        self.__dict__.update({k: self.DEFAULTS.get(k) for k in spec["keyword"]})
+        self.__dict__.update(_record(name, bound))
 
 
-class ExecutorConfig(_KwObject):
-    def __init__(self, max_beam_width: int = 1, scheduler_config: Any = None, kv_cache_config: Any = None,
-                 enable_chunked_context: bool = False, normalize_log_probs: bool = True,
-                 iter_stats_max_iterations: int = 1000, request_stats_max_iterations: int = 0,
-                 batching_type: BatchingType = BatchingType.INFLIGHT, max_batch_size: Optional[int] = None,
-                 max_num_tokens: Optional[int] = None, parallel_config: Any = None, peft_cache_config: Any = None,
-                 logits_post_processor_config: Any = None, decoding_config: Any = None,
-                 use_gpu_direct_storage: bool = False, gpu_weights_percent: float = 1.0,
-                 max_queue_size: Optional[int] = None, extended_runtime_perf_knob_config: Any = None,
-                 debug_config: Any = None, recv_poll_period_ms: int = 0, max_seq_idle_microseconds: int = 0,
-                 spec_dec_config: Any = None, guided_decoding_config: Any = None, additional_model_outputs: Any = None,
-                 cache_transceiver_config: Any = None, gather_generation_logits: bool = False,
-                 mm_embedding_offloading: bool = False, enable_trt_overlap: bool = False):
-        super().__init__(max_beam_width=max_beam_width, kv_cache_config=kv_cache_config,
-                         enable_chunked_context=enable_chunked_context, batching_type=batching_type,
-                         max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, parallel_config=parallel_config,
-                         decoding_config=decoding_config)
+class DecodingConfig(_Bound):
+    pass
 
 
-class SamplingConfig(_KwObject):
-    def __init__(self, beam_width: int = 1, *, top_k: Optional[int] = None, top_p: Optional[float] = None,
-                 top_p_min: Optional[float] = None, top_p_reset_ids: Optional[int] = None,
-                 top_p_decay: Optional[float] = None, seed: Optional[int] = None, temperature: Optional[float] = None,
-                 min_tokens: Optional[int] = None, beam_search_diversity_rate: Optional[float] = None,
-                 repetition_penalty: Optional[float] = None, presence_penalty: Optional[float] = None,
-                 frequency_penalty: Optional[float] = None, length_penalty: Optional[float] = None,
-                 early_stopping: Optional[int] = None, no_repeat_ngram_size: Optional[int] = None,
-                 num_return_sequences: Optional[int] = None, min_p: Optional[float] = None,
-                 beam_width_array: Optional[list[int]] = None):
-        super().__init__(beam_width=beam_width, top_k=top_k, top_p=top_p, seed=seed, temperature=temperature)
+class KvCacheConfig(_Bound):
+    DEFAULTS = {"enable_block_reuse": True}
 
 
-class OutputConfig(_KwObject):
-    def __init__(self, return_log_probs: bool = False, return_context_logits: bool = False,
-                 return_generation_logits: bool = False, exclude_input_from_output: bool = False,
-                 return_encoder_output: bool = False, return_perf_metrics: bool = False,
-                 additional_model_outputs: Any = None):
-        super().__init__(return_log_probs=return_log_probs, exclude_input_from_output=exclude_input_from_output,
-                         return_perf_metrics=return_perf_metrics)
+class ParallelConfig(_Bound):
+    DEFAULTS = {"communication_type": CommunicationType.MPI, "communication_mode": CommunicationMode.LEADER}
 
 
-class Request(_KwObject):
-    def __init__(self, input_token_ids: list[int], max_tokens: int, *, streaming: bool = False,
-                 sampling_config: Optional[SamplingConfig] = None, output_config: Optional[OutputConfig] = None,
-                 end_id: Optional[int] = None, pad_id: Optional[int] = None, position_ids: Any = None,
-                 bad_words: Optional[list[list[int]]] = None, stop_words: Optional[list[list[int]]] = None,
-                 embedding_bias: Any = None, external_draft_tokens_config: Any = None, prompt_tuning_config: Any = None,
-                 multimodal_input: Any = None, multimodal_embedding: Any = None, mrope_config: Any = None,
-                 lora_config: Any = None, lookahead_config: Any = None, kv_cache_retention_config: Any = None,
-                 logits_post_processor_name: Any = None, logits_post_processor: Any = None,
-                 encoder_input_token_ids: Any = None, client_id: Optional[int] = None,
-                 return_all_generated_tokens: bool = False, priority: float = 0.5, type: Any = None,
-                 context_phase_params: Any = None, encoder_input_features: Any = None, encoder_output_length: Any = None,
-                 cross_attention_mask: Any = None, num_return_sequences: int = 1, eagle_config: Any = None,
-                 skip_cross_attn_blocks: Any = None, guided_decoding_params: Any = None,
-                 language_adapter_uid: Any = None, allotted_time_ms: Any = None):
-        super().__init__(input_token_ids=list(input_token_ids), max_tokens=max_tokens, streaming=streaming,
-                         sampling_config=sampling_config, output_config=output_config, end_id=end_id, pad_id=pad_id,
-                         stop_words=stop_words, return_all_generated_tokens=return_all_generated_tokens)
+class ExecutorConfig(_Bound):
+    DEFAULTS = {"max_beam_width": 1, "enable_chunked_context": False, "batching_type": BatchingType.INFLIGHT}
+
+
+class SamplingConfig(_Bound):
+    DEFAULTS = {"beam_width": 1}
+
+
+class OutputConfig(_Bound):
+    DEFAULTS = {"return_log_probs": False, "exclude_input_from_output": False, "return_perf_metrics": False}
+
+
+class Request(_Bound):
+    DEFAULTS = {"streaming": False, "return_all_generated_tokens": False}
+
+    def __init__(self, *args: Any, **kw: Any):
+        super().__init__(*args, **kw)
+        self.input_token_ids = list(self.input_token_ids)
+        self.output_config = self.output_config or OutputConfig()
 
 
 @dataclass
@@ -286,13 +266,15 @@ class _Running:
     tokens: list[int]
     pos: int = 0
     reused_blocks: int = 0
+    sent: int = 0  # tokens already sent in responses
 
 
 class Executor:
-    """In-flight batching simulator: each step advances every running request by one token."""
+    """In-flight batching simulator: each step advances every running request by `tokens_per_step` tokens."""
 
     script: ExecScript = staticmethod(lambda prompt: [])
     step_seconds: float = 0.002
+    tokens_per_step: int = 1  # ReDrafter: up to draft_len + 1 tokens per step
     tokens_per_block: int = 4
     instances: list["Executor"] = []
     leader: bool = True
@@ -367,31 +349,52 @@ class Executor:
             time.sleep(self.step_seconds)
             with self._lock:
                 for rid, r in list(self._running.items()):
-                    if r.pos >= len(r.tokens):
-                        end = r.req.end_id is not None and r.req.end_id >= 0 and r.tokens[-1:] == [r.req.end_id]
-                        reason = FinishReason.END_ID if end else FinishReason.LENGTH
-                        self._finish(rid, r, reason, [])
-                        continue
-                    tok = r.tokens[r.pos]
-                    r.pos += 1
-                    if tok == -1:
-                        self._running.pop(rid)
-                        self._ready.put(Response(rid, None, "scripted executor error"))
-                        continue
-                    lps = [[-0.25]] if r.req.output_config.return_log_probs else None
-                    if r.req.end_id is not None and tok == r.req.end_id:
-                        self._finish(rid, r, FinishReason.END_ID, [tok])
-                    elif r.pos >= r.req.max_tokens:
-                        self._finish(rid, r, FinishReason.LENGTH, [tok])
-                    else:
-                        self._ready.put(Response(rid, Result(False, [[tok]], lps, [FinishReason.NOT_FINISHED])))
+                    self._advance(rid, r)
 
-    def _finish(self, rid: int, r: _Running, reason: FinishReason, last: list[int]) -> None:
+    def _advance(self, rid: int, r: "_Running") -> None:
+        """One decoding step of one request: up to `tokens_per_step` tokens, then one response."""
+        end_id = r.req.end_id if r.req.end_id is not None and r.req.end_id >= 0 else None
+        if r.pos >= len(r.tokens):
+            ended = end_id is not None and r.tokens[-1:] == [end_id]
+            self._respond(rid, r, FinishReason.END_ID if ended else FinishReason.LENGTH)
+            return
+        for _ in range(type(self).tokens_per_step):
+            if r.pos >= len(r.tokens):
+                break
+            tok = r.tokens[r.pos]
+            if tok == -1:
+                self._running.pop(rid)
+                self._ready.put(Response(rid, None, "scripted executor error"))
+                return
+            r.pos += 1
+            if end_id is not None and tok == end_id:
+                self._respond(rid, r, FinishReason.END_ID)
+                return
+            if r.pos >= r.req.max_tokens:
+                self._respond(rid, r, FinishReason.LENGTH)
+                return
+        self._respond(rid, r, None)
+
+    def _respond(self, rid: int, r: "_Running", reason: Optional[FinishReason]) -> None:
+        """A streamed Result as createResult builds it: the tokens since the last response (all of them
+        with return_all_generated_tokens), log_probs over every generated token so far."""
+        first = 0 if r.req.return_all_generated_tokens else r.sent
+        tokens = r.tokens[first:r.pos]
+        r.sent = r.pos
+        lps = [[logprob_of(i) for i in range(r.pos)]] if r.req.output_config.return_log_probs else None
+        if reason is None:
+            self._ready.put(Response(rid, Result(False, [tokens], lps, [FinishReason.NOT_FINISHED])))
+            return
         self._running.pop(rid, None)
         self._seen_prefixes.append(list(r.req.input_token_ids) + r.tokens[: r.pos])
         metrics = RequestPerfMetrics(KvCacheMetrics(num_reused_blocks=r.reused_blocks))
-        lps = [[-0.25] * len(last)] if r.req.output_config.return_log_probs else None
-        self._ready.put(Response(rid, Result(True, [last], lps, [reason], metrics)))
+        self._ready.put(Response(rid, Result(True, [tokens], lps, [reason], metrics)))
+
+
+def logprob_of(position: int) -> float:
+    """The scripted log-probability of the generated token at `position` (distinct per position, so a
+    consumer that slices the cumulative list wrongly gets the wrong values)."""
+    return -(position + 1) / 100
 
 
 # ------------------------------------------------------------------ installing the fake package
@@ -399,6 +402,7 @@ def install(monkeypatch: Any, version: str = "1.2.1") -> types.ModuleType:
     CALLS.clear()
     Executor.instances = []
     Executor.leader = True
+    Executor.tokens_per_step = 1
     root = types.ModuleType("tensorrt_llm")
     root.__version__ = version
     models = types.ModuleType("tensorrt_llm.models")
@@ -426,35 +430,40 @@ def install(monkeypatch: Any, version: str = "1.2.1") -> types.ModuleType:
 
 
 # ------------------------------------------------------------------ the command-line contract
-# Flags of the TensorRT-LLM 1.2.x commands the build runs (a subset: the ones a recipe can reach).
-FLAGS = {
-    "trtllm-build": {"--checkpoint_dir", "--output_dir", "--gemm_plugin", "--use_paged_context_fmha",
-                     "--kv_cache_type", "--max_batch_size", "--max_seq_len", "--max_input_len", "--max_num_tokens",
-                     "--max_beam_width", "--workers", "--speculative_decoding_mode", "--use_fp8_context_fmha",
-                     "--remove_input_padding", "--context_fmha", "--gpt_attention_plugin"},
-    "quantize.py": {"--model_dir", "--dtype", "--qformat", "--calib_dataset", "--calib_size", "--calib_max_seq_length",
-                    "--batch_size", "--tp_size", "--pp_size", "--seed", "--output_dir", "--kv_cache_dtype",
-                    "--device", "--tokenizer_max_seq_length", "--awq_block_size"},
-    "convert_checkpoint.py": {"--base_model_checkpoint_dir", "--drafter_model_dir", "--output_dir", "--dtype",
-                              "--tp_size", "--redrafter_num_beams", "--redrafter_draft_len_per_beam",
-                              "--redrafter_no_greedy_search", "--workers"},
-}
-BOOLEAN_FLAGS = {"--redrafter_no_greedy_search"}
+# The flags of the three TensorRT-LLM commands the build runs, as upstream's argparse declares them.
+COMMANDS = UP["commands"]
+FLAGS = {tool: set(c["flags"]) for tool, c in COMMANDS.items()}
+BOOLEAN_FLAGS = {f for c in COMMANDS.values() for f, info in c["flags"].items() if not info["takes_value"]}
+REDRAFTER = UP["redrafter"]
 
 
 def parse_flags(tool: str, argv: list[str]) -> dict[str, Optional[str]]:
-    """{flag: value}; fails on a flag the tool does not have or a flag without its value."""
+    """{flag: value}; fails on a flag the tool does not have, a missing value or a value outside its choices."""
     out: dict[str, Optional[str]] = {}
+    flags = COMMANDS[tool]["flags"]
     i = 0
     while i < len(argv):
         flag = argv[i]
-        assert flag in FLAGS[tool], f"{tool} has no flag {flag}"
-        if flag in BOOLEAN_FLAGS:
+        assert flag in flags, f"{tool} has no flag {flag}"
+        if not flags[flag]["takes_value"]:
             out[flag], i = None, i + 1
-        else:
-            assert i + 1 < len(argv) and not argv[i + 1].startswith("--"), f"{tool} {flag} needs a value"
-            out[flag], i = argv[i + 1], i + 2
+            continue
+        assert i + 1 < len(argv) and not argv[i + 1].startswith("--"), f"{tool} {flag} needs a value"
+        value, choices = argv[i + 1], flags[flag]["choices"]
+        if isinstance(choices, list):
+            assert value in [str(c) for c in choices if c is not None], f"{tool} {flag}: {value!r} not in {choices}"
+        out[flag], i = value, i + 2
+    missing = [f for f, info in flags.items() if info["required"] and f not in out]
+    assert not missing, f"{tool}: required flags missing: {missing}"
     return out
+
+
+def drafter_modules(num_layers: int, rnn: bool) -> list[str]:
+    """The modules the ReDrafter converter adds to exclude_modules (the snapshot's lists, expanded)."""
+    names = list(REDRAFTER["drafter_modules"]) + (list(REDRAFTER["drafter_modules_rnn"]) if rnn else [])
+    for layer in range(num_layers):
+        names += [p.replace("{lyrnum}", str(layer)) for p in REDRAFTER["drafter_modules_per_layer"]]
+    return names
 
 
 class FakeRunner:
@@ -478,17 +487,56 @@ class FakeRunner:
         flags = parse_flags(tool, args)
         out = Path(flags["--output_dir"])
         out.mkdir(parents=True, exist_ok=True)
-        tp = int(flags.get("--tp_size") or flags.get("--workers") or 1)
-        if tool == "trtllm-build":
-            src = json.loads((Path(flags["--checkpoint_dir"]) / "config.json").read_text())
-            (out / "config.json").write_text(json.dumps({"pretrained_config": src, "build_config": {
-                "max_batch_size": int(flags["--max_batch_size"]), "plugin_config": {"tokens_per_block": 4}}}))
-            for r in range(src.get("mapping", {}).get("tp_size", 1)):
-                (out / f"rank{r}.engine").write_bytes(b"engine")
-        else:
-            config: dict[str, Any] = {"mapping": {"tp_size": tp}, "tool": tool}
-            if tool == "convert_checkpoint.py":
-                config["architecture"] = "ReDrafterForCausalLM"
-            (out / "config.json").write_text(json.dumps(config))
-            for r in range(tp):
-                (out / f"rank{r}.safetensors").write_bytes(b"fake")
+        {"trtllm-build": self._build, "quantize.py": self._quantize,
+         "convert_checkpoint.py": self._redrafter}[tool](flags, out)
+
+    @staticmethod
+    def _ranks(out: Path, tp: int) -> None:
+        for r in range(tp):
+            (out / f"rank{r}.safetensors").write_bytes(b"fake")
+
+    def _quantize(self, flags: dict[str, Optional[str]], out: Path) -> None:
+        """quantize.py's checkpoint: int8_wo is W8A16 (weights quantized at build), fp8 is FP8. What ModelOpt
+        writes as exclude_modules was not read (snapshot not_read): modelled as null, the case that breaks."""
+        algo = {"fp8": "FP8", "int8_wo": "W8A16", "full_prec": None}[flags["--qformat"] or "full_prec"]
+        kv = {"fp8": "FP8", "int8": "INT8", None: None}[flags.get("--kv_cache_dtype")]
+        tp = int(flags.get("--tp_size") or 1)
+        (out / "config.json").write_text(json.dumps({
+            "architecture": "Qwen2ForCausalLM", "mapping": {"tp_size": tp, "world_size": tp}, "tool": "quantize.py",
+            "quantization": {"quant_algo": algo, "kv_cache_quant_algo": kv, "exclude_modules": None}}))
+        self._ranks(out, tp)
+
+    def _redrafter(self, flags: dict[str, Optional[str]], out: Path) -> None:
+        """convert_checkpoint.py: the base config with the drafter added; the drafter joins exclude_modules
+        only when the base checkpoint has a list there (upstream's rule)."""
+        base = json.loads((Path(flags["--base_model_checkpoint_dir"]) / "config.json").read_text())
+        drafter = json.loads((Path(flags["--drafter_model_dir"]) / "config.json").read_text())
+        config = dict(base, base_model_architecture=base.get("architecture"),
+                      architecture=REDRAFTER["architecture_map"].get(base.get("architecture"), "unsupported"),
+                      redrafter_num_layers=drafter["num_draft_layers"], redrafter_is_rnn=drafter["rnn"])
+        quant = dict(config.get("quantization") or {})
+        if quant.get("exclude_modules") is not None:
+            quant["exclude_modules"] = list(quant["exclude_modules"]) + drafter_modules(drafter["num_draft_layers"],
+                                                                                        drafter["rnn"])
+        config["quantization"] = quant
+        tp = int(flags.get("--tp_size") or 1)
+        config["mapping"] = {"tp_size": tp, "world_size": tp}
+        (out / "config.json").write_text(json.dumps(config))
+        self._ranks(out, tp)
+
+    def _build(self, flags: dict[str, Optional[str]], out: Path) -> None:
+        """trtllm-build: a quantized ReDrafter checkpoint whose drafter is not excluded has drafter linears
+        turned into quantized layers whose scales the checkpoint lacks: the build stops."""
+        src = json.loads((Path(flags["--checkpoint_dir"]) / "config.json").read_text())
+        quant = src.get("quantization") or {}
+        if src.get("architecture", "").startswith("ReDrafter") and quant.get("quant_algo"):
+            excluded = set(quant.get("exclude_modules") or [])
+            needed = drafter_modules(src["redrafter_num_layers"], src["redrafter_is_rnn"])
+            if not set(needed) <= excluded:
+                raise RuntimeError(f"trtllm-build: Required but not provided tensors: drafter.layers.0.linear "
+                                   f"per-channel scales ({quant['quant_algo']} drafter; exclude_modules "
+                                   f"{quant.get('exclude_modules')})")
+        (out / "config.json").write_text(json.dumps({"pretrained_config": src, "build_config": {
+            "max_batch_size": int(flags["--max_batch_size"]), "plugin_config": {"tokens_per_block": 4}}}))
+        for r in range(src.get("mapping", {}).get("tp_size", 1)):
+            (out / f"rank{r}.engine").write_bytes(b"engine")

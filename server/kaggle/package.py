@@ -1,12 +1,18 @@
 """`make kaggle MODEL=mix`: a folder to upload as a Kaggle dataset, and the notebook that runs it offline.
 
     python -m server.kaggle.package --recipe engines/mix.yaml --out engines/mix/kaggle [--wheels runtime]
+    python -m server.kaggle.package --recipe engines/mix.yaml --backend trtllm --trtllm-wheels DIR
 
 The folder holds `wheels/` (the project's own wheel; with `--wheels runtime` also the pinned serving
 libraries Kaggle's image lacks or has at other versions, from requirements/kaggle.txt), `engine/`
 (the built engine folder), `problems.csv` (for the local gateway) and `aimo_trt.ipynb`. The notebook
 installs the wheels with `pip --no-index` (no network) into a folder of its own, builds `predict`,
 and starts Kaggle's inference server, or the local gateway off Kaggle.
+
+A TensorRT-LLM engine (`build/trtllm/`) ships with a TensorRT-LLM 1.2.x wheel set the user provides
+(`--trtllm-wheels`, e.g. `pip download tensorrt-llm==1.2.1` on a machine that reaches NVIDIA's index):
+nothing here downloads it. It goes to `wheels/trtllm/`, and the notebook installs it offline from
+there, with its dependencies, before loading the engine.
 """
 
 from __future__ import annotations
@@ -29,7 +35,23 @@ def _cell(kind: str, source: str) -> dict:
     return cell
 
 
-def notebook(dataset_name: str, problems: int, competition: str) -> dict:
+TRTLLM_WHEELS_DIR = "trtllm"  # under wheels/: the user's TensorRT-LLM wheel set
+TRTLLM_REQUIREMENT = "tensorrt-llm>=1.2,<1.3"  # the engine path (trtllm-build engines, ReDrafter) is 1.2.x
+
+
+def trtllm_install_cell() -> dict:
+    """Install TensorRT-LLM from the dataset's wheel set, offline, with the dependencies in that set."""
+    return _cell("code", f"""
+# TensorRT-LLM 1.2.x for the trtllm engine: from wheels/{TRTLLM_WHEELS_DIR}/ only, with its dependencies
+TRTLLM_WHEELS = os.path.join(DATASET, "wheels", "{TRTLLM_WHEELS_DIR}")
+subprocess.run([sys.executable, "-m", "pip", "install", "--no-index", "--find-links", TRTLLM_WHEELS, "--quiet",
+                "--target", SITE, "{TRTLLM_REQUIREMENT}"], check=True)
+import importlib.metadata
+print("tensorrt-llm", importlib.metadata.version("tensorrt-llm"), "installed into", SITE)
+""")
+
+
+def notebook(dataset_name: str, problems: int, competition: str, trtllm: bool = False) -> dict:
     """The notebook as nbformat 4 JSON. Paths come from the environment where the test sets them."""
     cells = [
         _cell("markdown", f"""
@@ -50,6 +72,7 @@ subprocess.run([sys.executable, "-m", "pip", "install", "--no-index", "--no-deps
 sys.path.insert(0, SITE)
 print(f"installed {{len(wheels)}} wheels into {{SITE}}")
 """),
+        *([trtllm_install_cell()] if trtllm else []),
         _cell("code", f"""
 from server.kaggle.predict import Predictor
 
@@ -102,10 +125,27 @@ def runtime_requirements() -> list[str]:
     return [f"{n}=={v}" for n, v in sorted(seen.items())]
 
 
+def trtllm_wheel_set(folder: Optional[Path]) -> list[Path]:
+    """The user's TensorRT-LLM wheels; a clear error when there is no folder or no 1.2.x wheel in it."""
+    if folder is None or not Path(folder).is_dir():
+        raise ValueError(f"a trtllm engine needs TensorRT-LLM's wheels (got {folder}): set TRTLLM_WHEELS to a folder "
+                         "holding tensorrt_llm-1.2.x-*.whl and its dependencies' wheels (e.g. `pip download "
+                         "tensorrt-llm==1.2.1 -d DIR` where NVIDIA's index is reachable)")
+    wheels = sorted(Path(folder).glob("*.whl"))
+    if not any(w.name.startswith("tensorrt_llm-1.2.") for w in wheels):
+        raise ValueError(f"{folder}: no tensorrt_llm-1.2.x-*.whl among {len(wheels)} wheels (TRTLLM_WHEELS)")
+    return wheels
+
+
 def build(engine_dir: Path, out: Path, problems_csv: Path, wheels: str = "project", dataset_name: str = "aimo-trt",
-          problems: int = 50, competition: str = "aimo3", python_version: str = "3.11") -> dict:
+          problems: int = 50, competition: str = "aimo3", python_version: str = "3.11",
+          trtllm_wheels: Optional[Path] = None) -> dict:
     if not (engine_dir / "engine.json").is_file():
         raise FileNotFoundError(f"{engine_dir}/engine.json: no engine; run `make engine` first")
+    trtllm = json.loads((engine_dir / "engine.json").read_text()).get("backend") == "trtllm"
+    trt_set = trtllm_wheel_set(trtllm_wheels) if trtllm else []
+    if trtllm:
+        wheels = "project"  # the TensorRT-LLM set brings its own pinned dependencies (transformers 4.57, ...)
     if out.exists():
         shutil.rmtree(out)
     (out / "wheels").mkdir(parents=True)
@@ -118,10 +158,16 @@ def build(engine_dir: Path, out: Path, problems_csv: Path, wheels: str = "projec
                         "--python-version", python_version, "--platform", "manylinux_2_28_x86_64",
                         "--platform", "manylinux_2_17_x86_64", "--platform", "manylinux2014_x86_64",
                         "-d", str(out / "wheels"), *pinned], check=True)
+    if trt_set:
+        (out / "wheels" / TRTLLM_WHEELS_DIR).mkdir()
+        for w in trt_set:
+            shutil.copy(w, out / "wheels" / TRTLLM_WHEELS_DIR / w.name)
     shutil.copytree(engine_dir, out / "engine", ignore=shutil.ignore_patterns("manifest.json"))
     shutil.copy(problems_csv, out / "problems.csv")
-    (out / "aimo_trt.ipynb").write_text(json.dumps(notebook(dataset_name, problems, competition), indent=1) + "\n")
+    (out / "aimo_trt.ipynb").write_text(json.dumps(notebook(dataset_name, problems, competition, trtllm), indent=1)
+                                        + "\n")
     info = {"wheels": sorted(p.name for p in (out / "wheels").glob("*.whl")), "pinned": pinned, "mode": wheels,
+            "backend": "trtllm" if trtllm else "embedded", "trtllm_wheels": [w.name for w in trt_set],
             "engine": str(engine_dir), "competition": competition, "size_bytes": sum(
                 p.stat().st_size for p in out.rglob("*") if p.is_file())}
     (out / "dataset.json").write_text(json.dumps(info, indent=2) + "\n")
@@ -135,14 +181,23 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--problems", type=Path, default=ROOT / "engines" / "problems" / "smoke.csv")
     ap.add_argument("--wheels", choices=("project", "runtime"), default="runtime")
     ap.add_argument("--competition", choices=("aimo3", "aimo2"), default="aimo3")
+    ap.add_argument("--backend", choices=("auto", "embedded", "trtllm"), default="auto",
+                    help="auto: the trtllm engine when one was built, else the embedded one")
+    ap.add_argument("--trtllm-wheels", type=Path, default=None,
+                    help="folder with the TensorRT-LLM 1.2.x wheel set (needed for a trtllm engine)")
     args = ap.parse_args(argv)
     from trtbuild.core.recipe import RecipeError, load_recipe
 
     try:
         recipe = load_recipe(args.recipe)
-        kind = "trtllm" if recipe.layout.has_engine("trtllm") else "embedded"
+        kind = args.backend
+        if kind == "auto":
+            kind = "trtllm" if recipe.layout.has_engine("trtllm") else "embedded"
+        if kind == "trtllm":
+            trtllm_wheel_set(args.trtllm_wheels)  # before any packaging work
         out = args.out or recipe.layout.kaggle
-        info = build(recipe.layout.engine(kind), out, args.problems, args.wheels, competition=args.competition)
+        info = build(recipe.layout.engine(kind), out, args.problems, args.wheels, competition=args.competition,
+                     trtllm_wheels=args.trtllm_wheels)
     except (RecipeError, FileNotFoundError, ValueError, subprocess.CalledProcessError) as e:
         print(f"kaggle: {e}", file=sys.stderr)
         return 2

@@ -5,10 +5,13 @@
 All requests share one bidirectional gRPC stream (decoupled mode); responses are routed to each
 request's asyncio queue by request id. As on the other backends, the text comes from the token ids
 through `textstream` and stop strings are matched on it here; a match, a deadline or `cancel` sends
-the stop signal (a request with parameter `stop: true` and the same `request_key`), and the request
-always ends with one `Final`. Where the server returns token ids (the embedded deployment) they are
-exact; tensorrtllm_backend's ensemble returns only text, which is re-tokenized (the text stays byte
-for byte; the ids of a continuation may differ from the model's). If the stream breaks (the server
+the stop signal the deployment honours, and the request always ends with one `Final`:
+- the embedded deployment: a request with parameter `stop: true` and the same `request_key`;
+- tensorrtllm_backend (the server has a `tensorrt_llm` model with a `stop` input): its ensemble has no
+  stop input and ignores parameters, so requests go to `tensorrt_llm` directly, token ids in and out
+  (exact), and the stop is a request with the same id and `stop: true`, which the backend turns into
+  the executor's cancelRequest.
+If the stream breaks (the server
 died or restarted), every request in flight ends with an error that says so, and the next request
 reconnects.
 """
@@ -22,23 +25,35 @@ from typing import Any, Optional
 
 from server.protocol import FINISH_REASONS, FinishReason, SamplingParams
 from server.stream import EngineBase, RequestStream
+from server.triton.interface import (INPUTS, KEY_PARAMETER, MODEL, STOP_PARAMETER, TRTLLM_INPUTS, TRTLLM_MODEL,
+                                     TRTLLM_STOP_INPUTS, Field)
 from trtbuild.core.chat import load_tokenizer
-from server.triton.interface import INPUTS, KEY_PARAMETER, MODEL, STOP_PARAMETER
 
 CANCEL_GRACE_SECONDS = 5.0
 
 
-def infer_inputs(values: dict[str, Any]) -> list:
+def infer_inputs(values: dict[str, Any], fields: tuple[Field, ...] = INPUTS) -> list:
     """tritonclient inputs from numpy arrays named as the interface's inputs (their Triton types from it)."""
     import tritonclient.grpc as grpcclient
 
-    types = {f.name: f.triton_type for f in INPUTS}
+    types = {f.name: f.triton_type for f in fields}
     out = []
     for name, arr in values.items():
         x = grpcclient.InferInput(name, list(arr.shape), types[name])
         x.set_data_from_numpy(arr)
         out.append(x)
     return out
+
+
+def _has_stop_input(client: Any, model: str) -> bool:
+    """Whether the server has tensorrtllm_backend's `model` with its `stop` input (False on PyTriton)."""
+    try:
+        if not client.is_model_ready(model, client_timeout=5):
+            return False
+        meta = client.get_model_metadata(model, as_json=True, client_timeout=10)
+    except Exception:  # noqa: BLE001 - no such model on this server
+        return False
+    return any(i["name"] == "stop" for i in meta.get("inputs", []))
 
 
 @dataclass
@@ -66,6 +81,8 @@ class TritonEngine(EngineBase):
         self._client: Any = None
         self._broken: list[Any] = []
         self._exact_ids = False
+        self._direct = False  # tensorrtllm_backend: requests go to its tensorrt_llm model
+        self._target = model
         self._closed = False
         self._watchdog = threading.Thread(target=self._watch, name="triton-watchdog", daemon=True)
         self._connect()
@@ -89,6 +106,8 @@ class TritonEngine(EngineBase):
             time.sleep(0.2)
         meta = client.get_model_metadata(self.model, as_json=True, client_timeout=10)
         self._exact_ids = any(i["name"] == "input_ids" for i in meta.get("inputs", []))
+        self._direct = self.model == MODEL and _has_stop_input(client, TRTLLM_MODEL)
+        self._target = TRTLLM_MODEL if self._direct else self.model
         client.start_stream(callback=self._on_response)
         self._client = client
 
@@ -121,6 +140,9 @@ class TritonEngine(EngineBase):
                 self._finish(p, p.end_reason if p.stop_sent else ("length" if ran_out else "stop"))
 
     def _on_output(self, p: _Pending, result: Any) -> None:
+        if self._direct:
+            self._on_trtllm_output(p, result)
+            return
         names = {o.name for o in result.get_response().outputs}
         reason = result.as_numpy("finish_reason") if "finish_reason" in names else None
         if "token_ids" in names:
@@ -147,10 +169,52 @@ class TritonEngine(EngineBase):
             if head in FINISH_REASONS:
                 self._finish(p, p.end_reason if head == "cancelled" and p.stop_sent else head, error=err)
 
+    def _on_trtllm_output(self, p: _Pending, result: Any) -> None:
+        """tensorrt_llm's streamed response: output_ids holds the new tokens, output_log_probs all so far."""
+        names = {o.name for o in result.get_response().outputs}
+        if "output_ids" not in names or p.done:
+            return
+        new = [int(t) for t in result.as_numpy("output_ids").reshape(-1)]
+        if not new:
+            return
+        logprobs = None
+        if p.stream.params.top_logprobs and "output_log_probs" in names:
+            lps = [float(x) for x in result.as_numpy("output_log_probs").reshape(-1)][-len(new):]
+            logprobs = tuple(((tok, lp),) for tok, lp in zip(new, lps))
+        if p.stream.push(new, logprobs) is not None:
+            self._send_stop(p, "stop")
+            self._finish(p, "stop")
+
     # ---- the driver (generate, tokenize, detokenize, chat_prompt: EngineBase)
+    def _trtllm_inputs(self, prompt: list[int], p: SamplingParams) -> list:
+        import numpy as np
+
+        def one(value: Any, dtype: Any) -> Any:
+            return np.array([[value]], dtype=dtype)
+        eos = self.tokenizer.eos_token_id
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos
+        values: dict[str, Any] = {
+            "input_ids": np.array([prompt], dtype=np.int32), "input_lengths": one(len(prompt), np.int32),
+            "request_output_len": one(p.max_tokens, np.int32), "streaming": one(True, bool),
+            "end_id": one(-1 if p.ignore_eos else eos, np.int32), "pad_id": one(pad, np.int32),
+        }
+        if p.temperature == 0:  # greedy, as the trtllm backend asks the executor
+            values["runtime_top_k"] = one(1, np.int32)
+        else:
+            values.update(temperature=one(p.temperature, np.float32), runtime_top_p=one(p.top_p, np.float32))
+            if p.top_k > 0:
+                values["runtime_top_k"] = one(p.top_k, np.int32)
+        if p.seed is not None:
+            values["seed"] = one(p.seed, np.uint64)
+        if p.top_logprobs:
+            values["return_log_probs"] = one(True, bool)
+        return infer_inputs(values, TRTLLM_INPUTS)
+
     def _inputs(self, prompt: list[int], p: SamplingParams) -> list:
         import numpy as np
 
+        if self._direct:
+            return self._trtllm_inputs(prompt, p)
         values: dict[str, Any] = {
             "text_input": np.array([self.tokenizer.decode(prompt, skip_special_tokens=False).encode()], dtype=object),
             "max_tokens": np.array([p.max_tokens], dtype=np.int32),
@@ -181,9 +245,9 @@ class TritonEngine(EngineBase):
                     self._broken.clear()
                     self._connect()
                 self._pending[request.request_id] = p
-                self._client.async_stream_infer(self.model, self._inputs(stream.prompt, request.params),
+                self._client.async_stream_infer(self._target, self._inputs(stream.prompt, request.params),
                                                 request_id=request.request_id,
-                                                parameters={KEY_PARAMETER: request.request_id},
+                                                parameters=None if self._direct else {KEY_PARAMETER: request.request_id},
                                                 enable_empty_final_response=True)
         except Exception as e:  # noqa: BLE001 - a dead server is an error of this request, said plainly
             with self._lock:
@@ -227,8 +291,16 @@ class TritonEngine(EngineBase):
             return
         import numpy as np
 
-        inputs = infer_inputs({"text_input": np.array([b""], dtype=object), "max_tokens": np.array([1], dtype=np.int32)})
         try:
+            if self._direct:  # same request id + stop: the backend cancels it in the executor
+                values = {"input_ids": np.zeros((1, 1), np.int32), "input_lengths": np.zeros((1, 1), np.int32),
+                          "request_output_len": np.zeros((1, 1), np.int32), "stop": np.ones((1, 1), bool)}
+                self._client.async_stream_infer(self._target, infer_inputs({k: values[k] for k in TRTLLM_STOP_INPUTS},
+                                                                           TRTLLM_INPUTS),
+                                                request_id=p.stream.request_id)
+                return
+            inputs = infer_inputs({"text_input": np.array([b""], dtype=object),
+                                   "max_tokens": np.array([1], dtype=np.int32)})
             self._client.async_stream_infer(self.model, inputs, request_id=f"{p.stream.request_id}/stop",
                                             parameters={KEY_PARAMETER: p.stream.request_id, STOP_PARAMETER: True})
         except Exception:  # noqa: BLE001 - the grace timer finalises it

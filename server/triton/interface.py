@@ -7,6 +7,11 @@ token history, so continuations keep the prefix contract), top_logprobs, and the
 logprobs and finish_reason. A request parameter `request_key` names a request; a later request
 with parameter `stop: true` and the same key ends it (Triton does not pass a client's cancellation
 on to a Python model, so the stop is a request of its own).
+
+tensorrtllm_backend's ensemble has no stop input and ignores request parameters, so on that
+deployment the client talks to its `tensorrt_llm` model directly (`TRTLLM_INPUTS`: token ids in, token
+ids out, exact): the backend stops a request when a request with the same id carries `stop: true`
+(model_instance_state.cc), which is what `TRTLLM_STOP_INPUTS` sends, as upstream's own client does.
 """
 
 from __future__ import annotations
@@ -47,3 +52,23 @@ OUTPUTS = (
     Field("logprobs", "FP32", "float32", (-1, 2)),  # per token: (token id, logprob) of its top entries, flattened
     Field("finish_reason", "BYTES", "object", (1,)),
 )
+
+
+# tensorrtllm_backend's `tensorrt_llm` model (inputs batched: shape [1, ...] per request)
+TRTLLM_MODEL = "tensorrt_llm"
+TRTLLM_INPUTS = (
+    Field("input_ids", "INT32", "int32", (1, -1)),
+    Field("input_lengths", "INT32", "int32", (1, 1), optional=False),
+    Field("request_output_len", "INT32", "int32", (1, 1), optional=False),
+    Field("streaming", "BOOL", "bool", (1, 1)),
+    Field("end_id", "INT32", "int32", (1, 1)),
+    Field("pad_id", "INT32", "int32", (1, 1)),
+    Field("temperature", "FP32", "float32", (1, 1)),
+    Field("runtime_top_k", "INT32", "int32", (1, 1)),
+    Field("runtime_top_p", "FP32", "float32", (1, 1)),
+    Field("seed", "UINT64", "uint64", (1, 1)),
+    Field("return_log_probs", "BOOL", "bool", (1, 1)),
+    Field("stop", "BOOL", "bool", (1, 1)),
+)
+TRTLLM_STOP_INPUTS = ("input_ids", "input_lengths", "request_output_len", "stop")
+TRTLLM_OUTPUTS = ("output_ids", "sequence_length", "output_log_probs")  # output_ids [1, beams, new tokens]

@@ -26,10 +26,11 @@ from typing import Any, Callable, Optional
 from trtbuild import manifest as mf
 from trtbuild import stages
 from trtbuild.core.recipe import Recipe
+from trtbuild.trtllm.convert import ensure_exclusion_list
 from trtbuild.trtllm.env import TrtllmEnv
 from trtbuild.trtllm.preflight import drafter_dir
 
-VERSION = 1  # bump when the commands change for the same recipe
+VERSION = 2  # bump when the commands or their outputs change for the same recipe
 STAGE = "build"
 OUTPUT = "{output}"  # placeholder in a step's argv for its (scratch) output folder
 GEMM_PLUGIN = {"fp8": "fp8", "int8_wo": "bfloat16", "bf16": "bfloat16"}
@@ -44,6 +45,7 @@ class Step:
     fingerprint: str
     env: dict[str, str] = field(default_factory=dict)
     prepare: Optional[Callable[[], None]] = None  # main-environment work before the command (calibration data)
+    finalize: Optional[Callable[[Path], None]] = None  # main-environment work on the output before it is kept
 
     def command(self, out: Path) -> list[str]:
         return [str(out) if a == OUTPUT else a for a in self.argv]
@@ -96,10 +98,22 @@ def _checkpoint_step(recipe: Recipe, env: TrtllmEnv, merged: Path, work: Path, u
         if kv == "fp8":
             argv += ["--kv_cache_dtype", "fp8"]
         return Step("checkpoint", tuple(argv), work / "checkpoint", fp,
-                    prepare=lambda: write_calibration_set(recipe, merged, calib) and None)
+                    prepare=lambda: write_calibration_set(recipe, merged, calib) and None,
+                    finalize=lambda out: ensure_exclusion_list(out / "config.json") and None)
     argv = [env.python, "-m", "trtbuild.trtllm.convert", "--model_dir", str(merged), "--output_dir", OUTPUT,
             "--dtype", "bfloat16", "--tp_size", str(b.tp_size), "--quant_algo", "W8A16" if q == "int8_wo" else "none"]
     return Step("checkpoint", tuple(argv), work / "checkpoint", fp, env={"PYTHONPATH": str(PROJECT_ROOT)})
+
+
+def require_exclusion_list(config_path: Path) -> None:
+    """Before ReDrafter: a quantized base whose exclude_modules is null would get its drafter quantized
+    (the converter extends only a list) and trtllm-build would stop; say so before any GPU work."""
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    quant = config.get("quantization") or {}
+    if (quant.get("quant_algo") or quant.get("kv_cache_quant_algo")) and quant.get("exclude_modules") is None:
+        raise RuntimeError(f"{config_path}: quantization.exclude_modules is null: ReDrafter's converter would leave "
+                           "the drafter quantized and trtllm-build would stop; use trtllm.fp8_checkpoint: quantize_py "
+                           "(the build writes the list) or add the list to that config.json")
 
 
 def checkpoint_dir(recipe: Recipe, step: Optional[Step]) -> Path:
@@ -132,7 +146,8 @@ def plan(recipe: Recipe, env: TrtllmEnv, upstream: str) -> list[Step]:
         drafter_hash = mf.sha256_file(drafter / "model.safetensors") if (drafter / "model.safetensors").is_file() else ""
         last_fp = mf.fingerprint({"base": last_fp, "drafter": recipe.section("drafter"), "weights": drafter_hash,
                                   "version": VERSION})
-        steps.append(Step("redrafter", tuple(argv), work / "redrafter", last_fp))
+        steps.append(Step("redrafter", tuple(argv), work / "redrafter", last_fp,
+                          prepare=lambda cfg=base / "config.json": require_exclusion_list(cfg)))
         base = work / "redrafter"
     argv = [env.tool("trtllm-build"), "--checkpoint_dir", str(base), "--output_dir", OUTPUT,
             "--gemm_plugin", GEMM_PLUGIN[b.quantization],
@@ -165,6 +180,8 @@ def run_steps(steps: list[Step], engine_out: Path, runner: Runner = run_subproce
                 runner(step, commands[-1], step.env)
                 if not (tmp / "config.json").is_file():
                     raise RuntimeError(f"trtllm {step.name} step wrote no config.json to {tmp}")
+                if step.finalize is not None:
+                    step.finalize(tmp)
                 return {"step": f"trtllm/{step.name}", "command": commands[-1]}
 
             stages.produce(STAGE, step.output, step.fingerprint, make)
