@@ -32,7 +32,8 @@ def hf(tiny_models):
 def engine(hf, request):
     """Both runners: the CPU's SlotRunner and the GPU's GraphRunner (eager on a CPU, token for token
     the same)."""
-    eng = EmbeddedEngine(*hf, max_batch_size=3, max_seq_len=256, threads=1, runner=request.param)
+    eng = EmbeddedEngine(*hf, max_batch_size=3, max_seq_len=256, threads=1, runner=request.param,
+                         device="cpu")
     yield eng
     eng.shutdown()
 

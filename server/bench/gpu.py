@@ -1,18 +1,26 @@
-"""Decode speed of the embedded runtime on realistic model shapes, against the memory-bandwidth bound.
+"""Decode speed of the embedded engine on a GPU, against the memory-bandwidth bound and against
+transformers' compiled static-cache generate, measured side by side in one process.
 
-    python -m server.bench.gpu --shapes 1.5b,14b --batches 1,8,32 --formats bf16,int8_wo
+    python -m server.bench.gpu --shapes 1.5b,14b --formats bf16,int8_wo,fp8 --batches 1,8,32 --out bench/gpu.json
 
-Random weights (speed only) in Qwen2 shapes, on the GPU when there is one. For each shape, format and
-batch size: the slot runner (the embedded engine's forward: the model's own layers, its slot KV cache)
-prefills `--context` tokens per sequence, then times `--steps` decode steps (one token for every
-sequence; sampling not included). The bound is the bytes a step must read (all weights, plus each
-sequence's KV cache) over the device's measured copy bandwidth; the report gives tokens/s, the bound,
-and the fraction reached.
+Random weights (speed only) in Qwen2 shapes. For each shape, format, context and batch size:
+- `runner`: the GraphRunner's decode step alone (one CUDA graph replay per step, no sampling);
+- `engine`: the whole `EmbeddedEngine` (scheduler thread, device sampler, request streams and
+  detokenizer), B requests of `context` random prompt tokens generating with ignore_eos; decode
+  tokens/s from the difference of two generation lengths, so prefill cancels out;
+- `hf_compiled` (bf16 only): transformers' `generate` with `cache_implementation="static"` (which
+  transformers compiles itself), the same difference of two lengths;
+- the bound: the bytes a step must read (every weight once, plus each sequence's KV) over the
+  measured device-to-device copy bandwidth.
+Plus, per shape, the GraphRunner's agreement with the CPU-style SlotRunner on the same device
+(greedy tokens and KL of the next-token distributions over decode steps): what the fused GEMMs and
+CUDA graphs change numerically.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import statistics
 import sys
@@ -30,9 +38,8 @@ SHAPES = {  # Qwen2 configurations (DeepSeek-R1-Distill-Qwen 1.5B / 14B sizes)
 }
 
 
-def sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
+def log(msg: str) -> None:
+    print(f"[bench.gpu] {msg}", file=sys.stderr, flush=True)
 
 
 def copy_bandwidth(dev: torch.device, gib: float = 4.0) -> float:
@@ -42,36 +49,49 @@ def copy_bandwidth(dev: torch.device, gib: float = 4.0) -> float:
     b = torch.empty_like(a)
     for _ in range(3):
         b.copy_(a)
-    sync(dev)
+    torch.cuda.synchronize()
     times = []
     for _ in range(10):
         t = time.perf_counter()
         b.copy_(a)
-        sync(dev)
+        torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
     del a, b
     return 2 * n * 2 / statistics.median(times)
 
 
+def quantize_linears(model: Any, fmt: str) -> None:
+    """Replace the decoder's linears as ModelOpt's exports would be served (per-channel int8, or
+    per-tensor FP8 with a calibrated-like input scale)."""
+    from server.embedded.qlinear import FP8_MAX, Fp8Linear, Int8WeightOnlyLinear
+
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, lin in list(parent.named_children()):
+                if not isinstance(lin, torch.nn.Linear):
+                    continue
+                w = lin.weight.detach().float()
+                if fmt == "int8_wo":
+                    scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-8)
+                    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+                    new: torch.nn.Module = Int8WeightOnlyLinear(q, scale, lin.bias, torch.bfloat16)
+                else:
+                    scale = (w.abs().amax() / FP8_MAX).clamp_min(1e-12)
+                    q = (w / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+                    new = Fp8Linear(q, scale, torch.tensor(0.05), lin.bias, torch.bfloat16)
+                setattr(parent, name, new.to(w.device))
+                del w, q
+
+
 def build(shape: str, fmt: str, dev: torch.device) -> Any:
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from server.embedded.qlinear import Int8WeightOnlyLinear
-
-    cfg = Qwen2Config(**SHAPES[shape], max_position_embeddings=4096, tie_word_embeddings=False)
+    cfg = Qwen2Config(**SHAPES[shape], max_position_embeddings=32768, tie_word_embeddings=False)
     torch.manual_seed(0)
     with torch.device(dev):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
-    if fmt == "int8_wo":  # per-output-channel symmetric int8, as ModelOpt's W8A16 export
-        for layer in model.model.layers:
-            for parent in (layer.self_attn, layer.mlp):
-                for name, lin in list(parent.named_children()):
-                    if isinstance(lin, torch.nn.Linear):
-                        w = lin.weight.detach().float()
-                        scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-8)
-                        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-                        setattr(parent, name, Int8WeightOnlyLinear(q, scale, lin.bias, torch.bfloat16))
-                        del w
+    if fmt != "bf16":
+        quantize_linears(model, fmt)
     return model
 
 
@@ -82,72 +102,195 @@ def weight_bytes(model: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors) - embed.numel() * embed.element_size()
 
 
+def word_tokenizer(vocab: int) -> Any:
+    """A real (tokenizers-library) tokenizer that decodes every id of a random model's vocabulary."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t1", pad_token="t0")
+
+
 @torch.inference_mode()
-def run(shape: str, fmt: str, batches: list[int], context: int, steps: int, dev: torch.device, bandwidth: float,
-        warmup: int = 10) -> list[dict]:
+def runner_decode(runner: Any, vocab: int, b: int, context: int, steps: int, warmup: int = 5) -> float:
+    """Median seconds of one decode step for b sequences at `context` tokens (graph replay)."""
+    gen = torch.Generator().manual_seed(0)
+    for slot in range(b):
+        runner.prefill(slot, torch.randint(0, vocab, (context,), generator=gen).tolist(), 0)
+    tokens = torch.randint(0, vocab, (b,), generator=gen).tolist()
+    times = []
+    for i in range(steps + warmup):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        logits = runner.decode(tokens, [context + i] * b)
+        tokens = logits.argmax(-1).tolist()
+        if i >= warmup:
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def agreement(model: Any, vocab: int, context: int, steps: int = 32, b: int = 4) -> dict[str, float]:
+    """GraphRunner (fused GEMMs, graphs, buckets) vs SlotRunner on the same weights and device."""
+    from server.embedded.graph_runner import GraphRunner
     from server.embedded.runner import SlotRunner
+
+    ref, fast = SlotRunner(model, b, context + steps + 2, context + steps + 2), GraphRunner(model, b, context + steps + 2)
+    gen = torch.Generator().manual_seed(1)
+    for slot in range(b):
+        p = torch.randint(0, vocab, (context,), generator=gen).tolist()
+        ref.prefill(slot, p, 0)
+        fast.prefill(slot, p, 0)
+    tokens, same, kls = torch.randint(0, vocab, (b,), generator=gen).tolist(), 0, []
+    for i in range(steps):
+        la, lb = ref.decode(tokens, [context + i] * b), fast.decode(tokens, [context + i] * b)
+        pa, lpb = torch.log_softmax(la, -1), torch.log_softmax(lb, -1)
+        kls.append(float((pa.exp() * (pa - lpb)).sum(-1).mean()))
+        ta, tb = la.argmax(-1).tolist(), lb.argmax(-1).tolist()
+        same += sum(x == y for x, y in zip(ta, tb))
+        tokens = ta
+    del ref, fast
+    return {"token_agreement": round(same / (steps * b), 4), "kl_mean": statistics.mean(kls)}
+
+
+def engine_decode(engine: Any, vocab: int, b: int, context: int, short: int, long: int) -> dict[str, float]:
+    """Decode tok/s of the whole engine: (b * (long - short)) / (t_long - t_short)."""
+    from server.protocol import Request, SamplingParams, collect
+
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, vocab, (context,), generator=gen).tolist() for _ in range(b)]
+
+    async def run(n: int) -> float:
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        t = time.perf_counter()
+        await asyncio.gather(*(collect(engine, Request(list(p) + [i % vocab], params)) for i, p in enumerate(prompts)))
+        return time.perf_counter() - t
+
+    asyncio.run(run(4))  # warm-up: graphs for this batch and context captured
+    t_short = statistics.median(asyncio.run(run(short)) for _ in range(2))
+    t_long = statistics.median(asyncio.run(run(long)) for _ in range(2))
+    return {"tok_s": round(b * (long - short) / max(1e-9, t_long - t_short), 1)}
+
+
+@torch.inference_mode()
+def hf_compiled(model: Any, vocab: int, b: int, context: int, short: int, long: int) -> Optional[float]:
+    """transformers' generate with a static cache (which it compiles itself): decode tok/s."""
+    from transformers import GenerationConfig
+
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, vocab, (b, context), generator=gen).to(model.device)
+
+    def run(n: int) -> float:
+        gc = GenerationConfig(max_new_tokens=n, min_new_tokens=n, do_sample=False, cache_implementation="static",
+                              pad_token_id=0, eos_token_id=None)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gc)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    try:
+        run(long)  # compiles
+        run(long)
+        return b * (long - short) / max(1e-9, run(long) - run(short))
+    except Exception as e:  # noqa: BLE001 - a peer that fails is reported, not fatal
+        log(f"transformers compiled generate failed: {type(e).__name__}: {e}")
+        return None
+
+
+def measure(shape: str, fmt: str, batches: list[int], contexts: list[int], dev: torch.device, bandwidth: float,
+            steps: int, compile: bool, peers: bool, check: bool) -> list[dict]:
+    from server.embedded.engine import EmbeddedEngine
+    from server.embedded.graph_runner import GraphRunner
 
     t0 = time.time()
     model = build(shape, fmt, dev)
     cfg = model.config
+    vocab = cfg.vocab_size
     wbytes = weight_bytes(model)
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     kv_per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * 2  # bf16 K and V
     rows = []
-    runner = SlotRunner(model, num_slots=max(batches), max_seq_len=context + steps + warmup + 2,
-                        initial_capacity=context + steps + warmup + 2)
-    gen = torch.Generator().manual_seed(0)
-    for b in batches:
-        for slot in range(b):
-            runner.prefill(slot, torch.randint(0, cfg.vocab_size, (context,), generator=gen).tolist(), 0)
-        tokens = torch.randint(0, cfg.vocab_size, (b,), generator=gen).tolist()
-        times = []
-        for i in range(steps + warmup):
-            sync(dev)
-            t = time.perf_counter()
-            logits = runner.decode(tokens, [context + i] * b)
-            sync(dev)
-            if i >= warmup:
-                times.append(time.perf_counter() - t)
-            tokens = logits.argmax(-1).tolist()
-        step = statistics.median(times)
-        bytes_step = wbytes + b * (context + steps // 2) * kv_per_token
-        bound_step = bytes_step / bandwidth
-        rows.append({"shape": shape, "format": fmt, "batch": b, "context": context, "step_ms": round(step * 1000, 2),
-                     "tok_s": round(b / step, 1), "bound_tok_s": round(b / bound_step, 1),
-                     "fraction_of_bound": round(bound_step / step, 3), "weight_gb": round(wbytes / 1e9, 2),
-                     "bytes_per_step_gb": round(bytes_step / 1e9, 2)})
-        print(json.dumps(rows[-1]), flush=True)
-    print(f"[bench_gpu] {shape} {fmt}: built and measured in {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
-    del runner, model
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
+    extra = {}
+    if check:
+        extra = agreement(model, vocab, min(contexts))
+        log(f"{shape} {fmt}: GraphRunner vs SlotRunner on the GPU: {extra}")
+    max_seq = max(contexts) + 2 * steps + 64
+    runner = GraphRunner(model, max(batches), max_seq, compile=compile)
+    for context in contexts:
+        for b in batches:
+            step = runner_decode(runner, vocab, b, context, steps)
+            bytes_step = wbytes + b * (context + steps // 2) * kv_per_token
+            bound = b / (bytes_step / bandwidth)
+            rows.append({"shape": shape, "format": fmt, "batch": b, "context": context, "compile": compile,
+                         "runner_tok_s": round(b / step, 1), "runner_step_ms": round(step * 1e3, 3),
+                         "bound_tok_s": round(bound, 1), "runner_fraction_of_bound": round(b / step / bound, 3),
+                         "weight_gb": round(wbytes / 1e9, 2), **extra})
+            log(json.dumps(rows[-1]))
+    del runner
+    torch.cuda.empty_cache()
+    engine = EmbeddedEngine(model, word_tokenizer(vocab), max_batch_size=max(batches), max_seq_len=max_seq,
+                            prefix_reuse=False, device=str(dev), compile=compile)
+    try:
+        for row in rows:
+            e = engine_decode(engine, vocab, row["batch"], row["context"], steps // 2, steps + steps // 2)
+            # the engine's own cost (scheduler, sampler, streams) is what it loses against its runner alone
+            row.update({"engine_tok_s": e["tok_s"], "engine_fraction_of_bound": round(e["tok_s"] / row["bound_tok_s"], 3),
+                        "engine_overhead_fraction": round(1 - e["tok_s"] / row["runner_tok_s"], 3)})
+            log(f"{shape} {fmt} b={row['batch']} ctx={row['context']}: engine {e}")
+    finally:
+        engine.shutdown()
+    if peers and fmt == "bf16":
+        for row in rows:
+            if row["context"] == min(contexts) and row["batch"] <= 8:
+                hf = hf_compiled(model, vocab, row["batch"], row["context"], steps // 2, steps + steps // 2)
+                row["hf_compiled_tok_s"] = None if hf is None else round(hf, 1)
+                if hf:
+                    row["engine_vs_hf_compiled"] = round(row["engine_tok_s"] / hf, 2)
+                log(f"{shape} b={row['batch']}: transformers compiled static generate {hf}")
+    log(f"{shape} {fmt}: built and measured in {time.time() - t0:.0f}s")
+    del model
+    torch.cuda.empty_cache()
     return rows
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m server.bench.gpu", description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="1.5b,14b")
-    ap.add_argument("--formats", default="bf16,int8_wo")
+    ap.add_argument("--formats", default="bf16,int8_wo,fp8")
     ap.add_argument("--batches", default="1,8,32")
-    ap.add_argument("--context", type=int, default=512)
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--warmup", type=int, default=10, help="untimed decode steps per configuration")
+    ap.add_argument("--contexts", default="512")
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--compile", action="store_true", help="torch.compile the GraphRunner's elementwise work")
+    ap.add_argument("--no-peers", action="store_true", help="skip transformers' compiled generate")
+    ap.add_argument("--no-check", action="store_true", help="skip the GraphRunner vs SlotRunner agreement")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        print("bench.gpu: no CUDA device here; this benchmark measures the GPU engine", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda")
     bw = copy_bandwidth(dev)
-    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
-    print(f"[bench_gpu] {name}: measured copy bandwidth {bw / 1e12:.2f} TB/s", file=sys.stderr, flush=True)
+    name = torch.cuda.get_device_name(dev)
+    log(f"{name}: measured copy bandwidth {bw / 1e12:.2f} TB/s, torch {torch.__version__}")
     rows = []
     for shape in args.shapes.split(","):
         for fmt in args.formats.split(","):
-            rows += run(shape, fmt, [int(b) for b in args.batches.split(",")], args.context, args.steps, dev, bw,
-                        args.warmup)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"device": name, "copy_bandwidth_tb_s": round(bw / 1e12, 3),
-                                        "torch": torch.__version__, "rows": rows}, indent=2))
+            try:
+                rows += measure(shape, fmt, [int(b) for b in args.batches.split(",")],
+                                [int(c) for c in args.contexts.split(",")], dev, bw, args.steps, args.compile,
+                                not args.no_peers, not args.no_check)
+            except Exception as e:  # noqa: BLE001 - one failing configuration must not lose the others
+                import traceback
+
+                traceback.print_exc()
+                rows.append({"shape": shape, "format": fmt, "error": f"{type(e).__name__}: {e}"})
+            if args.out:  # written after each configuration: a run cut short keeps what it measured
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "device": name,
+                                                "copy_bandwidth_tb_s": round(bw / 1e12, 3), "torch": torch.__version__,
+                                                "rows": rows}, indent=2))
     return 0
 
 

@@ -16,8 +16,9 @@ class Int8WeightOnlyLinear(torch.nn.Module):
     """W8A16: int8 weights with a per-output-channel scale, activations in bf16/fp16.
 
     Weights stay int8 in memory (half of bf16). On CPU the GEMM is torch's int8-weight kernel
-    (`_weight_int8pack_mm`), which dequantizes inside the kernel; elsewhere the int8 weight is
-    widened per call, which gives the same numbers.
+    (`_weight_int8pack_mm`), which dequantizes inside the kernel; on CUDA a Triton kernel that
+    dequantizes in registers (`gpu_kernels.w8a16_linear`); elsewhere the int8 weight is widened per
+    call, which gives the same numbers.
     """
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
@@ -36,6 +37,10 @@ class Int8WeightOnlyLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).to(self.scale.dtype)
+        if x2.is_cuda and _gpu("w8a16"):
+            from server.embedded.gpu_kernels import w8a16_linear
+
+            return w8a16_linear(x2, self.weight, self.scale, self.bias).reshape(*shape, self.out_features).to(x.dtype)
         if self._fused and x2.device.type == "cpu":
             y = torch._weight_int8pack_mm(x2, self.weight, self.scale)
         else:
@@ -51,10 +56,12 @@ class Int8WeightOnlyLinear(torch.nn.Module):
 class Fp8Linear(torch.nn.Module):
     """FP8 (e4m3) weights and activations with per-tensor scales, as TensorRT-LLM runs FP8.
 
-    CPUs have no fast FP8 GEMM, so this emulates it exactly: inputs are quantized to e4m3 with the
-    calibrated `input_scale`, the e4m3 values of both operands are held in bf16 (which represents
-    every e4m3 value exactly), multiplied with fp32 accumulation, and the product of the two scales
-    is applied to the result. Numerics match FP8; memory and speed do not (bf16-sized weights).
+    On a GPU with FP8 tensor cores (SM >= 8.9) the weight is kept as e4m3 (half of bf16) and the
+    GEMM is one `torch._scaled_mm` (`gpu_kernels.fp8_linear`). CPUs have no fast FP8 GEMM, so there
+    it is emulated exactly: inputs are quantized to e4m3 with the calibrated `input_scale`, the e4m3
+    values of both operands are held in bf16 (which represents every e4m3 value exactly), multiplied
+    with fp32 accumulation, and the product of the two scales is applied to the result. Numerics
+    match FP8; memory and speed do not (bf16-sized weights).
     """
 
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None,
@@ -71,7 +78,19 @@ class Fp8Linear(torch.nn.Module):
         self.register_buffer("input_scale", None if input_scale is None else input_scale.float().reshape(()))
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
 
+    def _apply(self, fn, recurse=True):  # type: ignore[override]
+        """Moved to a GPU with FP8 tensor cores: keep the weight as e4m3 (the bf16 copy is dropped)."""
+        out = super()._apply(fn, recurse)
+        w = self.weight_e4m3
+        if w is not None and w.is_cuda and w.dtype == torch.bfloat16 and _gpu("fp8"):
+            self.weight_e4m3 = w.to(torch.float8_e4m3fn)
+        return out
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_e4m3.dtype == torch.float8_e4m3fn:
+            from server.embedded.gpu_kernels import fp8_linear
+
+            return fp8_linear(x, self.weight_e4m3, self.weight_scale, self.input_scale, self.bias, self.dtype)
         scale = self.weight_scale
         if self.input_scale is not None:
             xq = (x.float() / self.input_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
@@ -84,3 +103,9 @@ class Fp8Linear(torch.nn.Module):
 
     def dequantized(self) -> torch.Tensor:
         return self.weight_e4m3.float() * self.weight_scale
+
+
+def _gpu(kernel: str) -> bool:
+    from server.embedded.gpu_kernels import available
+
+    return available()[kernel]
