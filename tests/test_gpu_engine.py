@@ -60,9 +60,11 @@ def test_engine_on_cuda_agrees_with_the_cpu_engine(tiny_models):
             outs[device] = asyncio.run(go())
         finally:
             eng.shutdown()
-    same = sum(a == b for x, y in zip(outs["cpu"], outs["cuda"]) for a, b in zip(x, y))
-    total = sum(len(x) for x in outs["cpu"])
-    assert same / total > 0.9, (same, total)
+    # kernels differ (fused GEMMs, CUDA's bf16 GEMMs): on a tiny random model a near-tie can flip one
+    # greedy token, and the rest of that sequence then differs; most sequences must agree throughout
+    identical = sum(x == y for x, y in zip(outs["cpu"], outs["cuda"]))
+    firsts = sum(x[:4] == y[:4] for x, y in zip(outs["cpu"], outs["cuda"]))
+    assert identical >= 4 and firsts >= 5, (outs["cpu"], outs["cuda"])
 
 
 def test_device_sampler_on_cuda_is_batch_independent():

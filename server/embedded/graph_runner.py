@@ -15,8 +15,9 @@ small model (gpt-fast's lesson):
 - **CUDA graphs**: one captured decode step per (batch bucket, context bucket): the batch is padded
   up to a bucket size and the keys read up to a power-of-two context, so a handful of graphs serve
   every step. Inputs go through static buffers; one graph replay is the whole step, lm_head included.
-- `compile=True` wraps the elementwise work around the GEMMs (norms, RoPE, SiLU*mul, residuals) in
-  `torch.compile` (inductor fuses them), compiled once with dynamic shapes.
+- `compile=True` runs the work around attention (norms, projections, RoPE, SiLU*mul, residuals) of
+  layers with plain bf16 weights through `torch.compile` (inductor fuses the elementwise ops),
+  compiled once with dynamic shapes and shared by every layer (weights are arguments).
 
 On a CPU the same code runs eagerly (no graphs), which is how the tests check it against
 `SlotRunner` token for token.
@@ -76,11 +77,21 @@ def _fuse(mods: list[Any]) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 class _Layer:
-    """One decoder layer's weights, as the step needs them."""
+    """One decoder layer's weights, as the step needs them: `pre` (norm, q/k/v, RoPE) and `post`
+    (o_proj, residual, norm, MLP, residual) around the attention the runner does itself."""
 
-    def __init__(self, layer: Any, fuse: bool):
+    def __init__(self, layer: Any, fuse: bool, compiled: Optional[tuple[Any, Any]] = None):
         a, m = layer.self_attn, layer.mlp
         self.norm1, self.norm2 = layer.input_layernorm, layer.post_attention_layernorm
+        self.compiled = compiled if compiled is not None and _plain(layer) else None
+        if self.compiled is not None:  # plain bf16 weights as tensors: one compiled graph serves every layer
+            self.t_qkv_w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0).detach()
+            biases = [p.bias for p in (a.q_proj, a.k_proj, a.v_proj)]
+            self.t_qkv_b = torch.cat([b.detach() for b in biases], 0) if biases[0] is not None else None
+            self.t_gu_w = torch.cat([m.gate_proj.weight, m.up_proj.weight], 0).detach()
+            self.t_o_w, self.t_down_w = a.o_proj.weight.detach(), m.down_proj.weight.detach()
+            self.t_n1, self.t_n2 = self.norm1.weight.detach(), self.norm2.weight.detach()
+            self.eps = float(getattr(self.norm1, "variance_epsilon", getattr(self.norm1, "eps", 1e-6)))
         if fuse:
             self.qkv = _fuse([a.q_proj, a.k_proj, a.v_proj])
             self.gate_up = _fuse([m.gate_proj, m.up_proj])
@@ -88,6 +99,50 @@ class _Layer:
             self.qkv = lambda x: torch.cat([a.q_proj(x), a.k_proj(x), a.v_proj(x)], -1)
             self.gate_up = lambda x: torch.cat([m.gate_proj(x), m.up_proj(x)], -1)
         self.o_proj, self.down, self.act = a.o_proj, m.down_proj, m.act_fn
+
+    def pre(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nq: int, nkv: int, d: int
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.compiled is not None:
+            return self.compiled[0](h, self.t_n1, self.eps, self.t_qkv_w, self.t_qkv_b, cos, sin, nq, nkv, d)
+        return _pre_attention(h, self.norm1, self.qkv, cos, sin, nq, nkv, d)
+
+    def post(self, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        if self.compiled is not None:
+            return self.compiled[1](h, o, self.t_o_w, self.t_n2, self.eps, self.t_gu_w, self.t_down_w)
+        return _post_attention(h, o, self.o_proj, self.norm2, self.gate_up, self.down, self.act)
+
+
+def _plain(layer: Any) -> bool:
+    """bf16 nn.Linear projections (biases only on q/k/v), HF RMSNorms and SiLU: the compiled path."""
+    a, m = layer.self_attn, layer.mlp
+    lins = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
+    return (all(type(x) is torch.nn.Linear for x in lins) and all(x.bias is None for x in lins[3:])
+            and (a.q_proj.bias is None) == (a.k_proj.bias is None) == (a.v_proj.bias is None)
+            and type(m.act_fn).__name__ in ("SiLU", "SiLUActivation") and hasattr(layer.input_layernorm, "weight"))
+
+
+def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm (Llama/Qwen2), op for op."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(x.dtype)
+
+
+def _pre_tensors(h: torch.Tensor, n_w: torch.Tensor, eps: float, qkv_w: torch.Tensor, qkv_b: Optional[torch.Tensor],
+                 cos: torch.Tensor, sin: torch.Tensor, nq: int, nkv: int, d: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x = F.linear(_rms_norm(h, n_w, eps), qkv_w, qkv_b)
+    q, k, v = x.split([nq * d, nkv * d, nkv * d], -1)
+    q, k, v = q.view(-1, nq, d), k.view(-1, nkv, d), v.view(-1, nkv, d)
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    return (q * c + _rotate_half(q) * s).to(h.dtype), (k * c + _rotate_half(k) * s).to(h.dtype), v
+
+
+def _post_tensors(h: torch.Tensor, o: torch.Tensor, o_w: torch.Tensor, n_w: torch.Tensor, eps: float,
+                  gu_w: torch.Tensor, down_w: torch.Tensor) -> torch.Tensor:
+    h = h + F.linear(o, o_w)
+    g, u = F.linear(_rms_norm(h, n_w, eps), gu_w).chunk(2, -1)
+    return h + F.linear(F.silu(g) * u, down_w)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -133,7 +188,12 @@ class GraphRunner:
         self.capacity = max_seq_len  # static: the scheduler never asks for more
         self.scratch = num_slots  # padded batch rows write their K/V here
         # fused GEMMs change the summation blocking: on by default only where speed matters (CUDA)
-        self.layers = [_Layer(layer, cuda if fuse is None else fuse) for layer in self.inner.layers]
+        compiled = None
+        if compile:  # layers of plain weights share one compiled pair; others run eagerly
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+            compiled = (torch.compile(_pre_tensors, dynamic=True), torch.compile(_post_tensors, dynamic=True))
+        self.layers = [_Layer(layer, cuda if fuse is None else fuse, compiled) for layer in self.inner.layers]
+        self.compiled = any(layer.compiled is not None for layer in self.layers)
         shape = (num_slots + 1, self.nkv, max_seq_len, self.d)
         self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
         self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
@@ -142,10 +202,6 @@ class GraphRunner:
             probe = torch.zeros(1, 1, cfg.hidden_size, dtype=self.dtype, device=self.device)
             cos, sin = self.inner.rotary_emb(probe, pos)  # the model's own RoPE (its scaling included)
         self.cos, self.sin = cos[0].to(self.dtype), sin[0].to(self.dtype)  # [max_seq_len, d]
-        self.pre, self.post = _pre_attention, _post_attention
-        if compile:
-            self.pre = torch.compile(_pre_attention, dynamic=True)
-            self.post = torch.compile(_post_attention, dynamic=True)
         self.buckets = batch_buckets(num_slots)
         self._graphs: dict[tuple[int, int], tuple[Any, dict[str, torch.Tensor]]] = {}
         self._pool: Any = None
@@ -182,15 +238,14 @@ class GraphRunner:
         cos, sin = self.cos[pos], self.sin[pos]
         mask = (torch.arange(ctx, device=ids.device).unsqueeze(0) <= pos.unsqueeze(1)).view(b, 1, 1, ctx)
         for i, layer in enumerate(self.layers):
-            q, k, v = self.pre(h, layer.norm1, layer.qkv, cos, sin, self.nq, self.nkv, self.d)
+            q, k, v = layer.pre(h, cos, sin, self.nq, self.nkv, self.d)
             self.k[i][write_rows, :, pos] = k
             self.v[i][write_rows, :, pos] = v
             keys, values = self.k[i][:b, :, :ctx], self.v[i][:b, :, :ctx]
             # the group query heads of one KV head are `group` query rows of one attention: no expansion
             o = F.scaled_dot_product_attention(q.view(b, self.nkv, self.group, self.d), keys, values,
                                                attn_mask=mask, scale=self.scale)
-            h = self.post(h, o.reshape(b, self.nq * self.d), layer.o_proj, layer.norm2, layer.gate_up, layer.down,
-                          layer.act)
+            h = layer.post(h, o.reshape(b, self.nq * self.d))
         return self._logits(h)
 
     @torch.inference_mode()
@@ -206,7 +261,7 @@ class GraphRunner:
         cos, sin = self.cos[pos], self.sin[pos]
         mask = torch.arange(end, device=dev).unsqueeze(0) <= pos.unsqueeze(1)  # [n, end]
         for i, layer in enumerate(self.layers):
-            q, k, v = self.pre(h, layer.norm1, layer.qkv, cos, sin, self.nq, self.nkv, self.d)
+            q, k, v = layer.pre(h, cos, sin, self.nq, self.nkv, self.d)
             self.k[i][slot, :, start:end] = k.transpose(0, 1)
             self.v[i][slot, :, start:end] = v.transpose(0, 1)
             keys, values = self.k[i][slot, :, :end], self.v[i][slot, :, :end]  # [nkv, end, d]
@@ -214,8 +269,7 @@ class GraphRunner:
                 keys, values = keys.repeat_interleave(self.group, 0), values.repeat_interleave(self.group, 0)
             o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
                                                attn_mask=mask, scale=self.scale)  # [1, nq, n, d]
-            h = self.post(h, o[0].transpose(0, 1).reshape(n, self.nq * self.d), layer.o_proj, layer.norm2,
-                          layer.gate_up, layer.down, layer.act)
+            h = layer.post(h, o[0].transpose(0, 1).reshape(n, self.nq * self.d))
         return self._logits(h[-1])
 
     @torch.inference_mode()
