@@ -31,7 +31,7 @@ import torch
 from server.embedded.runner import SlotRunner
 from server.embedded.sampler import make_generator, sample, sample_device
 from server.protocol import Request, SamplingParams
-from server.stream import EngineBase, RequestStream
+from server.stream import EngineBase, Outbox, RequestStream
 
 
 DEVICE_ENV = "EMBEDDED_DEVICE"  # overrides the engine folder's serving.device for one command
@@ -133,6 +133,7 @@ class EmbeddedEngine(EngineBase):
         self._active: list[_Seq] = []  # active[i].slot == i
         self._parked: dict[int, tuple[list[int], float]] = {}  # slot -> (tokens with KV, last use)
         self._by_id: dict[str, _Seq] = {}
+        self._outbox = Outbox()  # one wake-up of the caller's loop per scheduler iteration
         self._closed = False
         self._ready = threading.Event()
         self._load_error: Optional[BaseException] = None
@@ -237,47 +238,53 @@ class EmbeddedEngine(EngineBase):
 
     # ---- the scheduler thread
     def _loop(self) -> None:
+        while self._iteration():
+            self._outbox.flush()  # the step's events reach their callers with one wake-up
+        self._outbox.flush()
+
+    def _iteration(self) -> bool:
+        """One scheduler iteration (messages, expiry, admission, one decode step); False at stop."""
+        block = not self._active and not self._waiting
+        try:
+            msgs = [self._inbox.get(timeout=0.5 if block else None)] if block else []
+        except queue.Empty:
+            msgs = []
         while True:
-            block = not self._active and not self._waiting
             try:
-                msgs = [self._inbox.get(timeout=0.5 if block else None)] if block else []
+                msgs.append(self._inbox.get_nowait())
             except queue.Empty:
-                msgs = []
-            while True:
+                break
+        t0 = time.perf_counter()
+        for kind, arg in msgs:
+            if kind == "stop":
+                for s in self._active + self._waiting:
+                    self._finish(s, "error", error="engine shut down")
+                return False
+            if kind == "add":
+                self._by_id[arg.req.request_id] = arg
+                self._waiting.append(arg)
+                self.stats.requests += 1
+            elif kind == "call":
+                fn, done = arg
                 try:
-                    msgs.append(self._inbox.get_nowait())
-                except queue.Empty:
-                    break
-            t0 = time.perf_counter()
-            for kind, arg in msgs:
-                if kind == "stop":
-                    for s in self._active + self._waiting:
-                        self._finish(s, "error", error="engine shut down")
-                    return
-                if kind == "add":
-                    self._by_id[arg.req.request_id] = arg
-                    self._waiting.append(arg)
-                    self.stats.requests += 1
-                elif kind == "call":
-                    fn, done = arg
-                    try:
-                        done.put((True, fn()))
-                    except Exception as e:
-                        done.put((False, e))
-                    t0 = time.perf_counter()  # not the engine's own work
-                elif kind == "cancel":
-                    s = self._by_id.get(arg)
-                    if s is not None:
-                        self._finish(s, "cancelled")
-            if not self._active and not self._waiting:
-                continue
-            try:
-                self._expire()
-                self._admit()
-                self._decode()
-            except Exception as e:  # a failed forward must not take the engine down: fail its requests
-                self._fail_all(f"{type(e).__name__}: {e}")
-            self.stats.busy_seconds += time.perf_counter() - t0
+                    done.put((True, fn()))
+                except Exception as e:
+                    done.put((False, e))
+                t0 = time.perf_counter()  # not the engine's own work
+            elif kind == "cancel":
+                s = self._by_id.get(arg)
+                if s is not None:
+                    self._finish(s, "cancelled")
+        if not self._active and not self._waiting:
+            return True
+        try:
+            self._expire()
+            self._admit()
+            self._decode()
+        except Exception as e:  # a failed forward must not take the engine down: fail its requests
+            self._fail_all(f"{type(e).__name__}: {e}")
+        self.stats.busy_seconds += time.perf_counter() - t0
+        return True
 
     def _fail_all(self, error: str) -> None:
         """End every request with an error without touching the cache (its state is unknown after a
