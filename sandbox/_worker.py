@@ -272,10 +272,17 @@ class Capture:
 
 
 def _others(keep):
-    """Pids in this pid namespace other than pid 1 and `keep`."""
+    """Live pids in this pid namespace other than pid 1 and `keep` (zombies are dead already: their
+    parent, the session child, reaps them; they are not pid 1's to reap)."""
     out = []
     for d in os.listdir("/proc"):
         if d.isdigit() and int(d) not in (1, keep):
+            try:
+                with open(f"/proc/{d}/stat", "rb") as f:
+                    if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
+                        continue
+            except (OSError, IndexError):
+                continue
             out.append(int(d))
     return out
 
@@ -581,7 +588,11 @@ def _run_session_cell(child, req, cfg):
             chunk = _read_some(child.status_r)
             if chunk is None:
                 continue
-            if not chunk or len(raw) + len(chunk) > MAX_STATUS_BYTES:
+            if not chunk:  # the child closed its status pipe: it is ending; let it finish to get its status
+                select.select([child.pidfd], [], [], SESSION_KILL_GRACE)
+                crash, died = "died", True
+                break
+            if len(raw) + len(chunk) > MAX_STATUS_BYTES:
                 crash = "protocol"
                 break
             raw += chunk

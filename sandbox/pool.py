@@ -142,15 +142,15 @@ class SandboxPool:
         A vacant slot or a worker found dead is (re)started here; if that fails the slot goes back
         vacant, so the pool keeps its size and a later caller tries again.
         """
-        if isinstance(item, Worker):
+        if isinstance(item, int):
+            slot = item
+        else:
             if item.alive():
                 return item
             slot = item.slot
             item.close()
             with self._lock:
                 self.restarts += 1
-        else:
-            slot = item
         try:
             return Worker(self.config, self.mechanism, slot)
         except Exception as e:  # noqa: BLE001 - reported to the caller as a result
@@ -203,7 +203,7 @@ class SandboxPool:
                 item = self._idle.get_nowait()
             except queue.Empty:
                 break
-            if isinstance(item, Worker):
+            if not isinstance(item, int):
                 item.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
         for slot in self._slots:

@@ -136,7 +136,7 @@ def from_reply(reply: dict[str, Any], queue_seconds: float, total_seconds: float
         status = "output_truncated" if out.truncated or err.truncated else "ok"
     else:
         status = "error"
-    if oom_kills and status == "error" and not reason:
+    if oom_kills and not reason:
         reason = f"a process of the cell was killed: memory limit of {memory_mb} MB exceeded"
     note = f"[{reason}]" if reason and status != "killed" else ""
     return CellResult(status, out, err, code, sig, reply.get("seconds", 0.0), queue_seconds, total_seconds,
