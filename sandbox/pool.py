@@ -18,7 +18,6 @@ import asyncio
 import queue
 import threading
 import time
-import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
@@ -94,7 +93,7 @@ class SandboxPool:
         self._idle: queue.Queue[Worker | int] = queue.Queue()  # an int is a vacant slot
         self._lock = threading.Lock()
         self._closed = False
-        self._sessions: weakref.WeakSet[Session] = weakref.WeakSet()
+        self._sessions: set[Session] = set()  # strong: an unclosed session is closed with the pool
         self.restarts = 0
         self._slots = [SLOTS.take() for _ in range(self.size)]
         self._executor = ThreadPoolExecutor(max_workers=max(64, 4 * self.size), thread_name_prefix="sandbox")
@@ -186,17 +185,25 @@ class SandboxPool:
             raise RuntimeError("sandbox pool is closed")
         slot = SLOTS.take()
         try:
-            s = Session(self.config, self.mechanism, slot, on_close=SLOTS.give)
+            s = Session(self.config, self.mechanism, slot, on_close=self._session_closed)
         except BaseException:
             SLOTS.give(slot)
             raise
-        self._sessions.add(s)
+        with self._lock:
+            self._sessions.add(s)
         return s
+
+    def _session_closed(self, session: "Session") -> None:
+        with self._lock:
+            self._sessions.discard(session)
+        SLOTS.give(session.slot)
 
     def close(self) -> None:
         """Close every idle worker and every open session of this pool; in-flight cells finish first."""
         self._closed = True
-        for s in list(self._sessions):
+        with self._lock:
+            sessions = list(self._sessions)
+        for s in sessions:
             s.close()
         while True:
             try:
@@ -384,7 +391,7 @@ class Session:
         if t is not None:
             t.join(KILL_JOIN_SECONDS)
         if self._on_close is not None:
-            self._on_close(self.slot)
+            self._on_close(self)
 
     def __enter__(self) -> "Session":
         return self
