@@ -207,7 +207,7 @@ def _exit_code(code):
     return 1, msg
 
 
-def _run_code(code, glob, on_timeout=None):
+def _run_code(code, glob):
     """Run one cell's code in `glob`; (status dict). Prints the trimmed traceback or exit message."""
     status = {"kind": "exit", "code": 0}
     try:
@@ -338,6 +338,15 @@ def _kill_others_and_reap(pgid=None, keep=None):
     return not _others(keep)
 
 
+def _oom_score(value):
+    """Set this process's OOM score adjustment (children inherit it); best effort."""
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write(str(value))
+    except OSError:
+        pass
+
+
 def _isolate_ipc(cfg):
     """A fresh IPC namespace for this cell: its SysV and POSIX IPC objects vanish when it ends."""
     if cfg.get("ipc_per_cell"):
@@ -359,6 +368,7 @@ def _forked_cell(req, base_globals, cfg, out_w, err_w):
         os.dup2(out_w, 1)
         os.dup2(err_w, 2)
         os.closerange(3, 1 << 16)
+        _oom_score(1000)  # cells are the OOM killer's first choice, in the cgroup and on the host
         try:
             _isolate_ipc(cfg)
         except OSError as e:
@@ -445,7 +455,7 @@ def _read_exact(fd, n):
     return buf
 
 
-def _session_child_loop(req_fd, status_fd, glob, limits):
+def _session_child_loop(req_fd, status_fd, glob):
     """Runs in the session child (uid dropped): read a cell, run it, report its status. Never returns."""
     def on_alarm(signum, frame):
         raise CellTimeout()
@@ -488,12 +498,13 @@ class SessionChild:
                 os.dup2(req_r, 3)
                 os.dup2(status_w, 4)
                 os.closerange(5, 1 << 16)
+                _oom_score(1000)
                 _isolate_ipc(cfg)
                 _drop_privileges(cfg.get("uid"))
                 os.chdir(cfg["workdir"])
                 _apply_limits(cfg["limits"], inline=True)
                 _std_streams()
-                _session_child_loop(3, 4, dict(base_globals), cfg["limits"])
+                _session_child_loop(3, 4, dict(base_globals))
             finally:
                 os._exit(120)
         for fd in (req_r, status_w, out_w, err_w):
@@ -701,11 +712,7 @@ def main():
             failed.append(f"{line}: {type(e).__name__}: {e}")
     cfg["_failed"] = failed
     if os.getpid() == 1:
-        try:
-            with open("/proc/self/oom_score_adj", "w") as f:
-                f.write("-1000")  # the cgroup's OOM killer must pick the cell, never this process
-        except OSError:
-            pass
+        _oom_score(-1000)  # the cgroup's OOM killer must pick a cell, never this process (needs CAP_SYS_RESOURCE)
     code = 0
     try:
         if cfg["mode"] == "session":
