@@ -13,12 +13,13 @@ process, whose every report is checked here.
 
 Two modes:
 - fork (stateless pool cells): a warm "zygote" with the preimports loaded; each cell runs in a
-  fresh fork with its own IPC namespace, writing stdout/stderr to pipes read here with caps. After
-  every cell this process kills everything else in the namespace (kill(-1): detached and setsid()
-  grandchildren too), reaps them, and mounts fresh tmpfs on /tmp, /var/tmp, /dev/shm, /run and
-  /run/lock, so the next cell (often another sample's) starts from empty folders with its own
-  working directory, and nothing the cell did to those folders can reach this process. The reply
-  says whether that cleanup worked (`clean`); the host replaces a worker that is not clean.
+  fresh fork, writing stdout/stderr to pipes read here with caps. After every cell this process
+  kills everything else in the namespace (kill(-1): detached and setsid() grandchildren too), reaps
+  them, moves to a fresh IPC namespace if the cell left SysV objects, and mounts fresh tmpfs on
+  /tmp, /var/tmp, /dev/shm, /run and /run/lock if the cell left any trace there, so the next cell
+  (often another sample's) starts from empty folders with its own working directory, and nothing
+  the cell did to those folders can reach this process. The reply says whether that cleanup
+  worked (`clean`); the host replaces a worker that is not clean.
 - session (stateful): one long-lived child, forked from the warm zygote, runs the session's cells
   in its own interpreter so later cells see earlier variables. Requests reach it over a pipe with
   a fresh random nonce per cell; its status reply must echo that nonce in a strict format. Its
@@ -45,7 +46,7 @@ CELL_FILE = "<cell>"
 CHANNEL_IN, CHANNEL_OUT, DIAGNOSTICS = 0, 1, 2
 CLONE_NEWIPC = 0x08000000
 MNT_DETACH = 2
-MS_NOSUID, MS_NODEV = 2, 4
+MS_NOSUID, MS_NODEV, MS_NOATIME = 2, 4, 1024
 SESSION_KILL_GRACE = 0.5  # after its time limit, a session cell that ignored the timer is killed
 MAX_STATUS_BYTES = 1 << 16
 _libc = None
@@ -101,7 +102,7 @@ def _sys(name, *args):
 
 def _mount_tmpfs(path, mb, mode):
     opts = f"size={mb}m,mode={mode}".encode()
-    _sys("mount", b"tmpfs", path.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, opts)
+    _sys("mount", b"tmpfs", path.encode(), b"tmpfs", MS_NOSUID | MS_NODEV | MS_NOATIME, opts)
 
 
 def _bind_ro(src, dst):
@@ -148,6 +149,7 @@ def _apply_limits(limits, inline=False):
     lim(resource.RLIMIT_FSIZE, limits.get("file_size_mb", 0) * mb)
     lim(resource.RLIMIT_NOFILE, limits.get("open_files", 0))
     lim(resource.RLIMIT_NPROC, limits.get("max_processes", 0))
+    resource.setrlimit(resource.RLIMIT_MSGQUEUE, (0, 0))  # no POSIX message queues (they would outlive the cell)
     if not inline and limits.get("cpu_seconds"):
         lim(resource.RLIMIT_CPU, int(limits["cpu_seconds"]))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
@@ -160,15 +162,38 @@ def _drop_privileges(uid):
         os.setresuid(uid, uid, uid)
 
 
+_snapshot = None  # fingerprint of the private folders right after they were last made fresh
+
+
+def _fingerprint(cfg):
+    """Everything a cell could change in the private folders and leave for the next cell.
+
+    Entries of each private tmpfs and of the working directory, plus their inode, mode, owner,
+    times and extended attributes (the mounts are noatime, so reading them changes nothing). An
+    empty folder whose metadata is unchanged holds nothing of the cell that ran before.
+    """
+    out = []
+    for d in [*cfg["fresh"]["tmpfs"], cfg["workdir"]]:
+        st = os.lstat(d)
+        out.append((d, sorted(os.listdir(d)), st.st_ino, st.st_dev, st.st_mode, st.st_uid, st.st_gid, st.st_nlink,
+                    st.st_atime_ns, st.st_mtime_ns, st.st_ctime_ns, sorted(os.listxattr(d, follow_symlinks=False))))
+    return out
+
+
 def _fresh_state(cfg):
     """Empty private folders and a new working directory for the next cell; False if that failed.
 
-    Namespaces: every private tmpfs is detached and mounted again (O(1), and nothing a cell renamed,
-    filled or replaced with a FIFO survives). Without namespaces: a new scratch folder.
+    Namespaces: if anything differs from the fingerprint taken when the folders were last made
+    fresh, every private tmpfs is detached and mounted again (O(1), and nothing a cell renamed,
+    filled or replaced with a FIFO survives). A cell that left no trace costs a few lstat calls.
+    Without namespaces: a new scratch folder.
     """
+    global _snapshot
     uid, workdir = cfg.get("uid"), cfg["workdir"]
     try:
         fresh = cfg.get("fresh")
+        if fresh and _snapshot is not None and not fresh["rebind"] and _fingerprint(cfg) == _snapshot:
+            return True
         if fresh:
             for t in fresh["tmpfs"]:
                 parent_is_fresh = any(t.startswith(p + "/") for p in fresh["tmpfs"])
@@ -184,6 +209,31 @@ def _fresh_state(cfg):
         os.makedirs(workdir, mode=0o700)
         if uid is not None and os.getuid() == 0:
             os.chown(workdir, uid, uid)
+        if fresh:
+            _snapshot = _fingerprint(cfg)
+        return True
+    except OSError:
+        _snapshot = None
+        return False
+
+
+def _fresh_ipc(cfg):
+    """Leave an IPC namespace in which a cell created SysV objects, so the next cell sees none.
+
+    Pool cells share pid 1's IPC namespace (a new one per cell cost ~0.5 ms of fork time); after
+    the cell's processes are dead, any object listed in /proc/sysvipc makes pid 1 move to a fresh
+    namespace, and the old one (objects and their memory) is freed with its last member. POSIX
+    message queues cannot be created at all (RLIMIT_MSGQUEUE is 0 for cells).
+    """
+    if not cfg.get("isolate_ipc"):
+        return True
+    try:
+        for name in ("shm", "sem", "msg"):
+            with open(f"/proc/sysvipc/{name}") as f:
+                f.readline()
+                if f.readline():
+                    _sys("unshare", CLONE_NEWIPC)
+                    return True
         return True
     except OSError:
         return False
@@ -348,8 +398,8 @@ def _oom_score(value):
 
 
 def _isolate_ipc(cfg):
-    """A fresh IPC namespace for this cell: its SysV and POSIX IPC objects vanish when it ends."""
-    if cfg.get("ipc_per_cell"):
+    """A fresh IPC namespace for this session child: what it creates vanishes with it."""
+    if cfg.get("isolate_ipc"):
         _sys("unshare", CLONE_NEWIPC)
 
 
@@ -369,11 +419,6 @@ def _forked_cell(req, base_globals, cfg, out_w, err_w):
         os.dup2(err_w, 2)
         os.closerange(3, 1 << 16)
         _oom_score(1000)  # cells are the OOM killer's first choice, in the cgroup and on the host
-        try:
-            _isolate_ipc(cfg)
-        except OSError as e:
-            _safe_write(f"sandbox: cannot isolate IPC ({e}); cell not run\n")
-            os._exit(121)
         _drop_privileges(cfg.get("uid"))
         os.chdir(cfg["workdir"])
         _apply_limits(cfg["limits"])
@@ -433,7 +478,7 @@ def _run_forked(req, base_globals, cfg):
         os.close(fd)
     status = {"kind": "timeout"} if timed_out else _status_of(wstatus)
     return {"status": status, "stdout": caps[out_r].render(), "stderr": caps[err_r].render(),
-            "seconds": elapsed, "clean": _fresh_state(cfg)}
+            "seconds": elapsed, "clean": _fresh_ipc(cfg) and _fresh_state(cfg)}
 
 
 # ---- session mode: one long-lived child per session

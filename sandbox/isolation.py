@@ -7,8 +7,9 @@
   on that pid 1 and SIGKILLs it to end the worker, which makes the kernel kill everything in the
   namespace: nothing a cell starts can outlive its worker, whatever it does with setsid(), process
   groups or signals (the uid drop clears the parent-death signal, so that is not relied on);
-- IPC namespace: SysV shared memory, semaphores, message queues and POSIX message queues are the
-  worker's own and die with it (pool cells get one more of their own per cell, see _worker.py);
+- IPC namespace: SysV shared memory, semaphores and message queues are the worker's own and die
+  with it (after a pool cell that left any, the worker moves to a fresh one, see _worker.py);
+  cells cannot create POSIX message queues (RLIMIT_MSGQUEUE 0);
 - mount namespace with a new root built from nothing (see `mount_script`): only read-only system
   and interpreter folders, fresh tmpfs for every writable place, no host socket.
 As root, cells also drop to a per-slot unprivileged uid, which makes RLIMIT_NPROC bind and keeps
@@ -124,7 +125,7 @@ def mount_script(python: str = "") -> str:
         lines.append(f"ln -s {target} {r}/dev/{name}")
     for t in PRIVATE_TMP:
         mode = "755" if t == "/run" else "1777"
-        lines += [f"mkdir -p {r}{t}", f"mount -t tmpfs -o size=${{SANDBOX_TMPFS_MB}}m,mode={mode},nosuid,nodev tmpfs {r}{t}"]
+        lines += [f"mkdir -p {r}{t}", f"mount -t tmpfs -o size=${{SANDBOX_TMPFS_MB}}m,mode={mode},nosuid,nodev,noatime tmpfs {r}{t}"]
     keep = dict((dst, src) for src, dst in rebinds(python))
     for src, dst in _binds(python):
         lines += [f"mkdir -p {r}{q(dst)}", f"mount --bind {q(src)} {r}{q(dst)}", f"mount -o remount,bind,ro {r}{q(dst)}"]

@@ -102,7 +102,7 @@ class Worker:
         cfg = {
             "mode": mode, "workdir": workdir, "uid": isolation.slot_uid(slot, mechanism),
             "limits": config.limits.as_dict(), "preimports": list(config.preimports),
-            "capture_bytes": config.capture_bytes, "env": THREAD_ENV, "ipc_per_cell": isolated,
+            "capture_bytes": config.capture_bytes, "env": THREAD_ENV, "isolate_ipc": isolated,
             "fresh": {"tmpfs": list(isolation.PRIVATE_TMP), "tmpfs_mb": config.limits.tmpfs_mb,
                       "rebind": isolation.rebinds(config.python)} if isolated else None,
         }

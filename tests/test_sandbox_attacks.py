@@ -372,6 +372,23 @@ def test_pool_cells_do_not_see_each_others_files(pool):
     assert r.stdout.text == "[['cell'], [], [], [], []]\nwrote\n", r.feedback()  # /tmp/cell is the new cwd
 
 
+def test_metadata_left_on_the_working_directory_does_not_pass(pool):
+    """An empty folder is reused only if nothing about it changed: times, mode and xattrs carry data too."""
+    r = pool.run("import os\nos.utime('.', (12345, 67890))\nos.chmod('.', 0o755)\n"
+                 "try:\n    os.setxattr('.', 'user.msg', b'secret')\nexcept OSError:\n    pass")
+    assert r.status == "ok", r.feedback()
+    r = pool.run("import os\nst = os.stat('.')\nprint(int(st.st_mtime), oct(st.st_mode & 0o777), os.listxattr('.'))")
+    mtime, mode, xattrs = r.stdout.text.split(maxsplit=2)
+    assert mtime != "67890" and mode == "0o700" and xattrs.strip() == "[]", r.stdout.text
+
+
+def test_no_posix_message_queues(pool):
+    r = pool.run("import ctypes\nrt = ctypes.CDLL('librt.so.1', use_errno=True)\n"
+                 "q = rt.mq_open(b'/sandbox-q', 0o100 | 0o2, 0o666, None)\nprint(q, ctypes.get_errno())")
+    q, errno = r.stdout.text.split()
+    assert q == "-1" and errno != "0", r.feedback()
+
+
 # ---- 6. a cell cannot sabotage the next one; a broken worker is caught before it gets a cell
 
 @pytest.mark.parametrize("sabotage", [
