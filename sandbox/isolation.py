@@ -109,7 +109,8 @@ def mount_script(python: str = "") -> str:
     """
     q = shlex.quote
     r = _staging(python)
-    lines = ["set -e", 'if [ -n "$SANDBOX_CGROUP_PROCS" ]; then echo 0 > "$SANDBOX_CGROUP_PROCS"; fi',
+    lines = ["set -e", 'PATH="$PATH:/usr/sbin:/sbin:/usr/bin:/bin"',
+             'if [ -n "$SANDBOX_CGROUP_PROCS" ]; then echo 0 > "$SANDBOX_CGROUP_PROCS"; fi',
              f"mount -t tmpfs -o size=4m,mode=755,nosuid,nodev tmpfs {r}",
              f"mkdir -p {r}/proc {r}/dev {r}/var {r}/old-root"]
     if rebinds(python):
@@ -148,6 +149,10 @@ def probe() -> tuple[str, str]:
     unshare = shutil.which("unshare")
     if unshare is None:
         return "none", "util-linux `unshare` not found"
+    tools = os.environ.get("PATH", "") + ":/usr/sbin:/sbin:/usr/bin:/bin"
+    missing = [t for t in ("mount", "umount", "pivot_root") if shutil.which(t, path=tools) is None]
+    if missing:
+        return "none", f"util-linux {', '.join(missing)} not found"
     try:
         argv = _unshare_argv(unshare) + ["sh", "-c", mount_script(), "probe", sys.executable, "-I", "-c", "pass"]
         r = subprocess.run(argv, capture_output=True, timeout=20,
