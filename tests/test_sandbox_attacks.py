@@ -119,12 +119,15 @@ def test_pool_close_ends_every_session_and_worker():
     s = p.session()
     uid = session_uid(s)
     assert s.run("import threading, os\nthreading.Thread(target=lambda: [None for _ in iter(int, 1)]).start()").ok
-    inits = [w.init_pid for w in list(p._idle.queue)] + [s._worker.init_pid]
+    workers = list(p._idle.queue) + [s._worker]
+    inits = [w.init_pid for w in workers]
+    groups = [w.cgroup.path for w in workers if w.cgroup is not None]
     r = p.run(detached_spinner(marker) + "while True:\n    pass", timeout=1)
     assert r.status == "timeout"
     p.close()
     assert survivors(uid) == [] and survivors(marker=marker) == []
     assert [pid for pid in inits if Path(f"/proc/{pid}").exists()] == []
+    assert [g for g in groups if Path(g).exists()] == []  # their cgroups are removed too
 
 
 def test_workers_die_with_the_harness(tmp_path):
@@ -140,12 +143,19 @@ def test_workers_die_with_the_harness(tmp_path):
         print(s._worker.init_pid, flush=True)
         os.kill(os.getpid(), 9)  # the harness dies without closing anything
     """))
-    r = subprocess.run([sys.executable, str(script), marker], capture_output=True, text=True, timeout=60)
-    init = int(r.stdout.split()[0])
+    proc = subprocess.Popen([sys.executable, str(script), marker], stdout=subprocess.PIPE, text=True)
+    out, _ = proc.communicate(timeout=60)
+    init = int(out.split()[0])
     deadline = time.monotonic() + 5
     while Path(f"/proc/{init}").exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not Path(f"/proc/{init}").exists()
+    from sandbox import cgroup
+
+    version, base, _ = cgroup.available()
+    if version is not None:  # the dead harness's groups are removed by the next one that starts
+        cgroup._remove_stale(base)
+        assert [n for n in os.listdir(base) if n.startswith(f"{cgroup.PREFIX}{proc.pid}-")] == []
 
 
 # ---- 2. no host filesystem socket is reachable
@@ -555,5 +565,20 @@ def test_failed_replacement_never_queues_a_dead_worker(monkeypatch):
         monkeypatch.setattr(pool_mod, "Worker", real)
         r = p.run("print(2)")
         assert r.status == "ok" and r.stdout.text == "2\n", r
+    finally:
+        p.close()
+
+
+def test_without_a_memory_cgroup_the_pool_warns_and_still_limits(monkeypatch):
+    from sandbox import cgroup, pool as pool_mod
+
+    monkeypatch.setattr(cgroup, "available", lambda: (None, "", "test double: no cgroup"))
+    with pytest.warns(pool_mod.MemoryLimitWarning, match="per process only"):
+        p = SandboxPool(SandboxConfig(pool_size=1, limits=Limits(memory_mb=256), **FAST))
+    try:
+        assert p._idle.queue[0].cgroup is None
+        r = p.run("x = bytearray(2 * 1024**3)")
+        assert r.status == "error" and "MemoryError" in r.feedback(), r
+        healthy(p)
     finally:
         p.close()
