@@ -235,6 +235,10 @@ class Session:
     for that restore, and the wait counts against its own time limit (`queue_seconds` says how
     long), so no call ever takes longer than its timeout plus a fixed grace. If the restore could
     not re-run every cell, the next result's note says which state is gone.
+
+    Between cells every process a cell started is killed; threads are part of the interpreter's
+    state and keep running until the session ends (their output lands in the cell running then).
+    The memory limit covers the session's interpreter and all it started, across its cells.
     """
 
     def __init__(self, config: SandboxConfig, mechanism: str, slot: int, on_close=None):
