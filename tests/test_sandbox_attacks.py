@@ -28,6 +28,22 @@ ROOT = Path(__file__).resolve().parents[1]
 FAST = dict(preimports=("import math",))
 
 
+TEST_BOUND_SECONDS = 30
+
+
+@pytest.fixture(autouse=True)
+def bounded():
+    """No attack test may run longer than TEST_BOUND_SECONDS (no pytest-timeout here: SIGALRM)."""
+    def on_alarm(signum, frame):
+        raise TimeoutError(f"attack test ran past {TEST_BOUND_SECONDS} s")
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    signal.alarm(TEST_BOUND_SECONDS)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, old)
+
+
 @pytest.fixture(scope="module")
 def pool():
     """One worker, so consecutive cells are known to share it (the worst case for leftovers)."""
