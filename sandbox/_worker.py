@@ -168,15 +168,20 @@ _snapshot = None  # fingerprint of the private folders right after they were las
 def _fingerprint(cfg):
     """Everything a cell could change in the private folders and leave for the next cell.
 
-    Entries of each private tmpfs and of the working directory, plus their inode, mode, owner,
-    times and extended attributes (the mounts are noatime, so reading them changes nothing). An
-    empty folder whose metadata is unchanged holds nothing of the cell that ran before.
+    Per private tmpfs: its inode and block counts (any file anywhere in it counts) and its root's
+    inode, mode, owner and times; for the working directory (the one folder a cell owns) also its
+    extended attributes. The roots are root-owned (sticky or 755), so a cell cannot set their
+    attributes; the mounts are noatime, so reading them changes nothing. Equal fingerprints mean
+    nothing of the previous cell is left.
     """
     out = []
-    for d in [*cfg["fresh"]["tmpfs"], cfg["workdir"]]:
-        st = os.lstat(d)
-        out.append((d, sorted(os.listdir(d)), st.st_ino, st.st_dev, st.st_mode, st.st_uid, st.st_gid, st.st_nlink,
-                    st.st_atime_ns, st.st_mtime_ns, st.st_ctime_ns, sorted(os.listxattr(d, follow_symlinks=False))))
+    for d in cfg["fresh"]["tmpfs"]:
+        v, st = os.statvfs(d), os.lstat(d)
+        out.append((v.f_files - v.f_ffree, v.f_blocks - v.f_bfree, st.st_ino, st.st_mode, st.st_uid, st.st_gid,
+                    st.st_nlink, st.st_atime_ns, st.st_mtime_ns, st.st_ctime_ns))
+    st = os.lstat(cfg["workdir"])
+    out.append((st.st_ino, st.st_dev, st.st_mode, st.st_uid, st.st_gid, st.st_nlink, st.st_size, st.st_atime_ns,
+                st.st_mtime_ns, st.st_ctime_ns, os.listxattr(cfg["workdir"], follow_symlinks=False)))
     return out
 
 
@@ -217,23 +222,41 @@ def _fresh_state(cfg):
         return False
 
 
+IPC_INFO_CALLS = (("shmctl", 14, 0), ("semctl", 19, 7), ("msgctl", 12, 0))  # (call, SHM/SEM/MSG_INFO, field)
+
+
+def _ipc_objects():
+    """How many SysV shared memory segments, semaphore sets and message queues exist here.
+
+    One *_INFO call each (the `used_ids`, `semusz` and `msgpool` counts), ~100x cheaper than
+    reading /proc/sysvipc.
+    """
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    total = 0
+    for call, cmd, field in IPC_INFO_CALLS:
+        buf = (ctypes.c_int * 32)()
+        args = (0, 0, cmd, buf) if call == "semctl" else (0, cmd, buf)
+        if getattr(_libc, call)(*args) < 0:
+            raise OSError(ctypes.get_errno(), f"{call} info")
+        total += buf[field]
+    return total
+
+
 def _fresh_ipc(cfg):
     """Leave an IPC namespace in which a cell created SysV objects, so the next cell sees none.
 
     Pool cells share pid 1's IPC namespace (a new one per cell cost ~0.5 ms of fork time); after
-    the cell's processes are dead, any object listed in /proc/sysvipc makes pid 1 move to a fresh
-    namespace, and the old one (objects and their memory) is freed with its last member. POSIX
-    message queues cannot be created at all (RLIMIT_MSGQUEUE is 0 for cells).
+    the cell's processes are dead, any object left makes pid 1 move to a fresh namespace, and the
+    old one (objects and their memory) is freed with its last member. POSIX message queues cannot
+    be created at all (RLIMIT_MSGQUEUE is 0 for cells).
     """
     if not cfg.get("isolate_ipc"):
         return True
     try:
-        for name in ("shm", "sem", "msg"):
-            with open(f"/proc/sysvipc/{name}") as f:
-                f.readline()
-                if f.readline():
-                    _sys("unshare", CLONE_NEWIPC)
-                    return True
+        if _ipc_objects():
+            _sys("unshare", CLONE_NEWIPC)
         return True
     except OSError:
         return False
