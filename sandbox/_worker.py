@@ -639,7 +639,7 @@ def _run_session_cell(child, req, cfg):
     frame = json.dumps({"nonce": nonce, "code": req["code"], "timeout": timeout}).encode()
     pending = struct.pack("!I", len(frame)) + frame
     caps = {child.out_r: Capture(cap), child.err_r: Capture(cap)}
-    raw, crash, died = b"", None, False
+    raw, crash = b"", None
     t0 = time.monotonic()
     hard = t0 + timeout + SESSION_KILL_GRACE
     while True:
@@ -655,10 +655,10 @@ def _run_session_cell(child, req, cfg):
             except BlockingIOError:
                 pass
             except OSError:
-                crash, died = "died", True
+                crash = "died"
                 break
         if child.pidfd in ready:
-            crash, died = "died", True
+            crash = "died"
             break
         for fd in (child.out_r, child.err_r):
             if fd in ready:
@@ -669,7 +669,7 @@ def _run_session_cell(child, req, cfg):
                 continue
             if not chunk:  # the child closed its status pipe: it is ending; let it finish to get its status
                 select.select([child.pidfd], [], [], SESSION_KILL_GRACE)
-                crash, died = "died", True
+                crash = "died"
                 break
             if len(raw) + len(chunk) > MAX_STATUS_BYTES:
                 crash = "protocol"

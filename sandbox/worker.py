@@ -149,9 +149,12 @@ class Worker:
             if left <= 0:
                 self.kill()
                 raise WorkerDied("sandbox worker stopped answering", hung=True)
-            if not self._sel.select(left):
-                continue
-            chunk = os.read(self.proc.stdout.fileno(), 1 << 20)
+            try:
+                if not self._sel.select(left):
+                    continue
+                chunk = os.read(self.proc.stdout.fileno(), 1 << 20)
+            except (OSError, ValueError) as e:  # closed under us (the session was closed meanwhile)
+                raise WorkerDied(f"sandbox worker is gone: {e}") from None
             if not chunk:
                 self.kill()
                 raise WorkerDied(f"sandbox worker exited (code {self.proc.returncode}) {self._startup_error()}".strip())

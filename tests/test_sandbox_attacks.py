@@ -201,7 +201,7 @@ def host_sockets(tmp_path):
     abstract.setblocking(False)
     yield {"stream": [p for p, _ in made], "dgram": str(dgram_path), "abstract": f"\0sandbox-test-{tag}"}
     got = []
-    for p, srv in made + [(f"abstract", abstract)]:
+    for p, srv in made + [("abstract", abstract)]:
         try:
             got.append((p, srv.accept()))
         except BlockingIOError:
