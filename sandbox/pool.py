@@ -329,13 +329,13 @@ class Session:
     def _restore_job(self, history: list[tuple[str, float]], fresh_worker: bool) -> None:
         """Run `_restore` in the background thread; a failure becomes a note, never a traceback."""
         try:
-            self._restore(history, fresh_worker)
+            self._rebuild(history, fresh_worker)
         except Exception as e:  # noqa: BLE001 - e.g. the session was closed under it
             if not self._closed:
                 self._history = []
                 self._restore_note = f"[the python session could not be restored ({type(e).__name__}); its variables are gone]"
 
-    def _restore(self, history: list[tuple[str, float]], fresh_worker: bool) -> None:
+    def _rebuild(self, history: list[tuple[str, float]], fresh_worker: bool) -> None:
         """Bring back the state of `history` within the replay budget; record what could not be."""
         budget_end = time.monotonic() + float(self.config.limits.wall_seconds)
         target = history
