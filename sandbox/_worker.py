@@ -642,7 +642,13 @@ def _run_session_cell(child, req, cfg):
     raw, crash = b"", None
     t0 = time.monotonic()
     hard = t0 + timeout + SESSION_KILL_GRACE
-    while True:
+    try:
+        pending = pending[os.write(child.req_w, pending):]  # usually all of it: the pipe is empty
+    except BlockingIOError:
+        pass
+    except OSError:
+        crash = "died"
+    while crash is None:
         left = hard - time.monotonic()
         if left <= 0:
             crash = "timeout"

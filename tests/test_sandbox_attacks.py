@@ -598,3 +598,20 @@ def test_without_a_memory_cgroup_the_pool_warns_and_still_limits(monkeypatch):
         healthy(p)
     finally:
         p.close()
+
+
+def test_unisolated_sessions_still_restore_and_bound_time():
+    """The degraded mode keeps the protocol checks, the restore and the time bound."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        p = SandboxPool(SandboxConfig(pool_size=1, isolation="none", **FAST))
+    try:
+        with p.session() as s:
+            assert s.run("x = 3").ok
+            r = s.run(SPINNER.replace("os.setsid()", "pass"), timeout=1)
+            assert r.status == "timeout" and r.restarted and r.total_seconds < 2.5, r
+            assert s.run("print(x)", timeout=5).stdout.text == "3\n"
+    finally:
+        p.close()
