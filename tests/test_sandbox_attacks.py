@@ -552,6 +552,17 @@ def test_slots_are_unique_and_reused():
     assert slots.take() == 2
 
 
+def test_slots_are_unique_across_harness_processes(tmp_path):
+    mine = Slots(4, str(tmp_path))
+    assert [mine.take(), mine.take()] == [0, 1]
+    other = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(ROOT)!r})\n"
+                            f"from sandbox.pool import Slots\ns = Slots(4, {str(tmp_path)!r})\nprint(s.take(), s.take())"],
+                           capture_output=True, text=True, timeout=30)
+    assert other.stdout.split() == ["2", "3"], other.stderr  # another harness skips the uids this one holds
+    mine.give(0)
+    assert mine.take() == 0
+
+
 def test_sessions_never_share_a_uid_with_pool_workers(pool):
     pool_slots = set(pool._slots)
     sessions = [pool.session() for _ in range(3)]
