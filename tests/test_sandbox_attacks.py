@@ -57,6 +57,14 @@ def healthy(p: SandboxPool) -> None:
     assert r.status == "ok" and r.stdout.text == "42\n", r
 
 
+def idle_worker(p: SandboxPool):
+    """The pool's idle worker, once there is one (a replacement may still be starting)."""
+    w = p._idle.get(timeout=30)
+    p._idle.put(w)
+    assert not isinstance(w, int), "vacant slot"
+    return w
+
+
 def ps() -> list[tuple[int, int, str]]:
     """(pid, uid, command line) of every process on the host, from `ps`."""
     out = subprocess.run(["ps", "-eo", "pid=,uid=,args="], capture_output=True, text=True, check=True).stdout
@@ -305,7 +313,7 @@ print(i >= 0, libc.semget({key}, 1, IPC_CREAT | 0o666) >= 0, libc.msgget({key}, 
 
 
 def test_shared_memory_counts_against_the_memory_limit(pool):
-    if pool._idle.queue[0].cgroup is None:
+    if idle_worker(pool).cgroup is None:
         pytest.skip("no writable memory cgroup on this machine")
     r = pool.run(IPC + textwrap.dedent("""
         done = 0
@@ -359,14 +367,14 @@ def test_cells_cannot_read_the_worker_process(pool):
 
 
 def test_garbled_or_out_of_order_replies_are_a_dead_worker(pool):
-    w = pool._idle.queue[0]
+    w = idle_worker(pool)
     w._buf = b'{"id": "not-yours", "status": {"kind": "exit", "code": 0}}\n'
     with pytest.raises(WorkerDied, match="out of order"):
         w.request({"op": "ping"}, 2)
     assert not w.alive()
     r = pool.run("print(1)")  # the pool notices the dead worker before it hands out the cell
     assert r.status == "ok" and r.stdout.text == "1\n", r
-    w = pool._idle.queue[0]
+    w = idle_worker(pool)
     w._buf = b"\x00not json\n"
     r = pool.run("print(2)")
     assert r.status == "killed" and "failed" in r.feedback(), r
@@ -430,7 +438,7 @@ def test_cell_cannot_break_the_next_cell(pool, sabotage):
 
 
 def test_worker_killed_between_cells_is_replaced_before_use(pool):
-    w = pool._idle.queue[0]
+    w = idle_worker(pool)
     os.kill(w.init_pid, signal.SIGKILL)
     while w.alive():
         time.sleep(0.01)
@@ -442,7 +450,7 @@ def test_worker_killed_between_cells_is_replaced_before_use(pool):
 # ---- 7. the memory limit binds the cell as a whole
 
 def test_memory_limit_covers_all_processes_of_a_cell(pool):
-    w = pool._idle.queue[0]
+    w = idle_worker(pool)
     if w.cgroup is None:
         pytest.skip("no writable memory cgroup on this machine")
     code = textwrap.dedent("""
@@ -584,7 +592,7 @@ def test_failed_replacement_never_queues_a_dead_worker(monkeypatch):
     try:
         real = pool_mod.Worker
         monkeypatch.setattr(pool_mod, "Worker", no_worker)
-        w = p._idle.queue[0]
+        w = idle_worker(p)
         os.kill(w.init_pid, signal.SIGKILL)
         while w.alive():
             time.sleep(0.01)
@@ -607,7 +615,7 @@ def test_without_a_memory_cgroup_the_pool_warns_and_still_limits(monkeypatch):
     with pytest.warns(pool_mod.MemoryLimitWarning, match="per process only"):
         p = SandboxPool(SandboxConfig(pool_size=1, limits=Limits(memory_mb=256), **FAST))
     try:
-        assert p._idle.queue[0].cgroup is None
+        assert idle_worker(p).cgroup is None
         r = p.run("x = bytearray(2 * 1024**3)")
         assert r.status == "error" and "MemoryError" in r.feedback(), r
         healthy(p)
