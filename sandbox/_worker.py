@@ -1,7 +1,7 @@
-"""The process that runs model-written code. Started by sandbox/worker.py, one per pool slot or session.
+"""The process that supervises model-written code. Started by sandbox/worker.py, one per pool slot or session.
 
-It is deliberately one self-contained file (it runs with `python -I`, so it cannot import the
-project). Protocol: one JSON line per request on fd 0, one JSON line per reply on fd 1; every
+It is deliberately one self-contained file: it runs as `python -I -c <this file>`, so it needs
+neither the project on its path nor the project folder inside the sandbox's root. Protocol: one JSON line per request on fd 0, one JSON line per reply on fd 1; every
 request carries an `id` that its reply echoes. Both are moved to private descriptors at start, and
 0/1/2 then point at /dev/null.
 
@@ -9,7 +9,9 @@ This process never runs model code itself. It is the namespace's pid 1 and stays
 runs in a child that drops to the slot's uid, closes the channel and gets its rlimits. So a cell
 can reach neither the channel nor this process's memory (no ptrace, no /proc/1/fd: other uid), and
 whatever it does to its own process (monkeypatching json, `__main__`, signals) only changes its own
-process, whose every report is checked here.
+process, whose every report is checked here. (Sessions used to run cells in this process itself;
+a cell could then read and write the channel and patch the runner, so a session now has a child
+of its own too, at the cost of one more process wake-up per cell, ~0.2 ms.)
 
 Two modes:
 - fork (stateless pool cells): a warm "zygote" with the preimports loaded; each cell runs in a
