@@ -135,7 +135,7 @@ def mount_script(python: str = "") -> str:
             lines += [f"mkdir -p {r}{k}", f"mount --bind {q(src)} {r}{k}", f"mount -o remount,bind,ro {r}{k}"]
     lines += [f"mount -t proc -o nosuid,nodev,noexec proc {r}/proc",
               f"cd {r}", "pivot_root . old-root", "cd /", "umount -l /old-root", "rmdir /old-root",
-              "mount -o remount,ro /", 'exec "$@"']
+              "mount -o remount,bind,ro /", 'exec "$@"']
     return "\n".join(lines)
 
 
