@@ -1,21 +1,37 @@
-"""The process that runs model-written code. Started by sandbox/worker.py, one per pool slot.
+"""The process that supervises model-written code. Started by sandbox/worker.py, one per pool slot or session.
 
-It is deliberately one self-contained file (it runs with `python -I`, so it cannot import the
-project). Protocol: one JSON line per request on fd 0, one JSON line per reply on fd 1; both are
-moved to private descriptors at start, and 0/1/2 then point at /dev/null so nothing the cell does
-can reach the channel.
+It is deliberately one self-contained file: it runs as `python -I -c <this file>`, so it needs
+neither the project on its path nor the project folder inside the sandbox's root. Protocol: one JSON line per request on fd 0, one JSON line per reply on fd 1; every
+request carries an `id` that its reply echoes. Both are moved to private descriptors at start, and
+0/1/2 then point at /dev/null.
+
+This process never runs model code itself. It is the namespace's pid 1 and stays root; every cell
+runs in a child that drops to the slot's uid, closes the channel and gets its rlimits. So a cell
+can reach neither the channel nor this process's memory (no ptrace, no /proc/1/fd: other uid), and
+whatever it does to its own process (monkeypatching json, `__main__`, signals) only changes its own
+process, whose every report is checked here. (Sessions used to run cells in this process itself;
+a cell could then read and write the channel and patch the runner, so a session now has a child
+of its own too, at the cost of one more process wake-up per cell, ~0.2 ms.)
 
 Two modes:
-- fork (stateless cells): this process is the namespace's pid 1 and a warm "zygote" with the
-  preimports loaded; each cell runs in a fresh fork that drops to the slot's uid, gets its rlimits
-  and a private working directory, and writes stdout/stderr to pipes the zygote reads with caps.
-  After every cell the zygote kills everything else in the namespace (kill(-1)), which removes
-  detached grandchildren, and reaps them.
-- inline (stateful sessions): the cell runs in this process so later cells see earlier variables;
-  stdout/stderr go to capped files on the private tmpfs; a timer interrupts Python code, and the
-  host kills the whole namespace when C code does not yield.
+- fork (stateless pool cells): a warm "zygote" with the preimports loaded; each cell runs in a
+  fresh fork, writing stdout/stderr to pipes read here with caps. After every cell this process
+  kills everything else in the namespace (kill(-1): detached and setsid() grandchildren too), reaps
+  them, moves to a fresh IPC namespace if the cell left SysV objects, and mounts fresh tmpfs on
+  /tmp, /var/tmp, /dev/shm, /run and /run/lock if the cell left any trace there, so the next cell
+  (often another sample's) starts from empty folders with its own working directory, and nothing
+  the cell did to those folders can reach this process. The reply says whether that cleanup
+  worked (`clean`); the host replaces a worker that is not clean.
+- session (stateful): one long-lived child, forked from the warm zygote, runs the session's cells
+  in its own interpreter so later cells see earlier variables. Requests reach it over a pipe with
+  a fresh random nonce per cell; its status reply must echo that nonce in a strict format. Its
+  stdout/stderr are pipes read here with caps. The child interrupts a cell with an interval timer
+  at the time limit; if the cell ignores that, this process kills the child shortly after. Any
+  unparseable, out-of-order or oversized status, or the child's death, is a crash: the reply says
+  `crashed` and the host restores the session (op `reset` forks a fresh child from the zygote).
 """
 
+import ctypes
 import json
 import linecache
 import os
@@ -23,27 +39,37 @@ import resource
 import select
 import shutil
 import signal
+import struct
 import sys
 import time
 import traceback
 
 CELL_FILE = "<cell>"
-CHANNEL_IN, CHANNEL_OUT = 0, 1
+CHANNEL_IN, CHANNEL_OUT, DIAGNOSTICS = 0, 1, 2
+CLONE_NEWIPC = 0x08000000
+MNT_DETACH = 2
+MS_NOSUID, MS_NODEV, MS_NOATIME = 2, 4, 1024
+SESSION_KILL_GRACE = 0.5  # after its time limit, a session cell that ignored the timer is killed
+MAX_STATUS_BYTES = 1 << 16
+_libc = None
 
 
 class CellTimeout(BaseException):
-    """Raised in an inline cell by the interval timer."""
+    """Raised in a session cell by the interval timer."""
 
+
+# ---- channel to the host
 
 def _setup_channel():
-    global CHANNEL_IN, CHANNEL_OUT
+    global CHANNEL_IN, CHANNEL_OUT, DIAGNOSTICS
     CHANNEL_IN = os.dup(0)
     CHANNEL_OUT = os.dup(1)
+    DIAGNOSTICS = os.dup(2)  # the host's log of this worker: for the worker's own failures only
     null = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(null, fd)
     os.close(null)
-    for fd in (CHANNEL_IN, CHANNEL_OUT):
+    for fd in (CHANNEL_IN, CHANNEL_OUT, DIAGNOSTICS):
         os.set_inheritable(fd, False)
 
 
@@ -64,6 +90,30 @@ def _requests():
             line, buf = buf.split(b"\n", 1)
             yield json.loads(line)
 
+
+# ---- kernel calls the stdlib lacks (namespaces mode only)
+
+def _sys(name, *args):
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    if getattr(_libc, name)(*args) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{name}: {os.strerror(err)}")
+
+
+def _mount_tmpfs(path, mb, mode):
+    opts = f"size={mb}m,mode={mode}".encode()
+    _sys("mount", b"tmpfs", path.encode(), b"tmpfs", MS_NOSUID | MS_NODEV | MS_NOATIME, opts)
+
+
+def _bind_ro(src, dst):
+    os.makedirs(dst, exist_ok=True)
+    _sys("mount", src.encode(), dst.encode(), None, 0x1000, None)  # MS_BIND
+    _sys("mount", None, dst.encode(), None, 0x1000 | 0x20 | 1, None)  # MS_BIND | MS_REMOUNT | MS_RDONLY
+
+
+# ---- the cell's environment
 
 def _trimmed_traceback(exc):
     """The traceback as the model should see it: only frames of its own code, no harness frames."""
@@ -101,6 +151,7 @@ def _apply_limits(limits, inline=False):
     lim(resource.RLIMIT_FSIZE, limits.get("file_size_mb", 0) * mb)
     lim(resource.RLIMIT_NOFILE, limits.get("open_files", 0))
     lim(resource.RLIMIT_NPROC, limits.get("max_processes", 0))
+    resource.setrlimit(resource.RLIMIT_MSGQUEUE, (0, 0))  # no POSIX message queues (they would outlive the cell)
     if not inline and limits.get("cpu_seconds"):
         lim(resource.RLIMIT_CPU, int(limits["cpu_seconds"]))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
@@ -113,11 +164,163 @@ def _drop_privileges(uid):
         os.setresuid(uid, uid, uid)
 
 
-def _fresh_dir(path, uid):
-    shutil.rmtree(path, ignore_errors=True)
-    os.makedirs(path, mode=0o700)
-    if uid is not None and os.getuid() == 0:
-        os.chown(path, uid, uid)
+_snapshot = None  # fingerprint of the private folders right after they were last made fresh
+
+
+def _fingerprint(cfg):
+    """Everything a cell could change in the private folders and leave for the next cell.
+
+    Per private tmpfs: its inode and block counts (any file anywhere in it counts) and its root's
+    inode, mode, owner and times; for the working directory (the one folder a cell owns) also its
+    extended attributes. The roots are root-owned (sticky or 755), so a cell cannot set their
+    attributes; the mounts are noatime, so reading them changes nothing. Equal fingerprints mean
+    nothing of the previous cell is left.
+    """
+    out = []
+    for d in cfg["fresh"]["tmpfs"]:
+        v, st = os.statvfs(d), os.lstat(d)
+        out.append((v.f_files - v.f_ffree, v.f_blocks - v.f_bfree, st.st_ino, st.st_mode, st.st_uid, st.st_gid,
+                    st.st_nlink, st.st_atime_ns, st.st_mtime_ns, st.st_ctime_ns))
+    st = os.lstat(cfg["workdir"])
+    out.append((st.st_ino, st.st_dev, st.st_mode, st.st_uid, st.st_gid, st.st_nlink, st.st_size, st.st_atime_ns,
+                st.st_mtime_ns, st.st_ctime_ns, os.listxattr(cfg["workdir"], follow_symlinks=False)))
+    return out
+
+
+def _fresh_state(cfg):
+    """Empty private folders and a new working directory for the next cell; False if that failed.
+
+    Namespaces: if anything differs from the fingerprint taken when the folders were last made
+    fresh, every private tmpfs is detached and mounted again (O(1), and nothing a cell renamed,
+    filled or replaced with a FIFO survives). A cell that left no trace costs a few lstat calls.
+    Without namespaces: a new scratch folder.
+    """
+    global _snapshot
+    uid, workdir = cfg.get("uid"), cfg["workdir"]
+    try:
+        fresh = cfg.get("fresh")
+        if fresh and _snapshot is not None and not fresh["rebind"] and _fingerprint(cfg) == _snapshot:
+            return True
+        if fresh:
+            for t in fresh["tmpfs"]:
+                parent_is_fresh = any(t.startswith(p + "/") for p in fresh["tmpfs"])
+                if not parent_is_fresh:
+                    _sys("umount2", t.encode(), MNT_DETACH)
+                else:
+                    os.makedirs(t, exist_ok=True)
+                _mount_tmpfs(t, fresh["tmpfs_mb"], "755" if t == "/run" else "1777")
+            for src, dst in fresh["rebind"]:
+                _bind_ro(src, dst)
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+        os.makedirs(workdir, mode=0o700)
+        if uid is not None and os.getuid() == 0:
+            os.chown(workdir, uid, uid)
+        if fresh:
+            _snapshot = _fingerprint(cfg)
+        return True
+    except OSError:
+        _snapshot = None
+        return False
+
+
+IPC_INFO_CALLS = (("shmctl", 14, 0), ("semctl", 19, 7), ("msgctl", 12, 0))  # (call, SHM/SEM/MSG_INFO, field)
+
+
+def _ipc_objects():
+    """How many SysV shared memory segments, semaphore sets and message queues exist here.
+
+    One *_INFO call each (the `used_ids`, `semusz` and `msgpool` counts), ~100x cheaper than
+    reading /proc/sysvipc.
+    """
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    total = 0
+    for call, cmd, field in IPC_INFO_CALLS:
+        buf = (ctypes.c_int * 32)()
+        args = (0, 0, cmd, buf) if call == "semctl" else (0, cmd, buf)
+        if getattr(_libc, call)(*args) < 0:
+            raise OSError(ctypes.get_errno(), f"{call} info")
+        total += buf[field]
+    return total
+
+
+def _fresh_ipc(cfg):
+    """Leave an IPC namespace in which a cell created SysV objects, so the next cell sees none.
+
+    Pool cells share pid 1's IPC namespace (a new one per cell cost ~0.5 ms of fork time); after
+    the cell's processes are dead, any object left makes pid 1 move to a fresh namespace, and the
+    old one (objects and their memory) is freed with its last member. POSIX message queues cannot
+    be created at all (RLIMIT_MSGQUEUE is 0 for cells).
+    """
+    if not cfg.get("isolate_ipc"):
+        return True
+    try:
+        if _ipc_objects():
+            _sys("unshare", CLONE_NEWIPC)
+        return True
+    except OSError:
+        return False
+
+
+def _exit_code(code):
+    """(exit status, message) for SystemExit(code); a nonzero request never becomes success.
+
+    Python's own rule (an int is the status, None is 0, anything else is printed and gives 1) with
+    one change: ints the OS would wrap to 0 (256, 2**70) give 1.
+    """
+    if code is None:
+        return 0, None
+    if isinstance(code, int):
+        c = int.__and__(int(code), 0xFF)
+        return (c if c or code == 0 else 1), None
+    try:
+        msg = str(code)
+    except BaseException:  # noqa: BLE001 - the model's object
+        msg = "<unprintable exit message>"
+    return 1, msg
+
+
+def _run_code(code, glob):
+    """Run one cell's code in `glob`; (status dict). Prints the trimmed traceback or exit message."""
+    status = {"kind": "exit", "code": 0}
+    try:
+        exec(_compile(code), glob)
+    except CellTimeout:
+        status = {"kind": "timeout"}
+    except SystemExit as e:
+        c, msg = _exit_code(e.code)
+        if msg is not None:
+            _safe_write(msg + "\n")
+        status = {"kind": "exit", "code": c}
+    except BaseException as e:  # noqa: BLE001 - the model's exception, reported to it
+        try:
+            _safe_write(_trimmed_traceback(e))
+        except BaseException:  # noqa: BLE001
+            pass
+        status = {"kind": "exit", "code": 1}
+    return status
+
+
+def _safe_write(text):
+    try:
+        os.write(2, text.encode("utf-8", "backslashreplace"))
+    except OSError:
+        pass
+
+
+def _std_streams():
+    sys.stdout = os.fdopen(1, "w", buffering=1, errors="backslashreplace", closefd=False)
+    sys.stderr = os.fdopen(2, "w", buffering=1, errors="backslashreplace", closefd=False)
+
+
+def _flush():
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:  # noqa: BLE001
+            pass
 
 
 class Capture:
@@ -143,66 +346,123 @@ class Capture:
                 "omitted": omitted, "total": self.total}
 
 
-def _kill_others_and_reap(pgid=None):
-    """Remove what the cell left running, then reap it.
+def _others(keep):
+    """Live pids in this pid namespace other than pid 1 and `keep` (zombies are dead already: their
+    parent, the session child, reaps them; they are not pid 1's to reap)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit() and int(d) not in (1, keep):
+            try:
+                with open(f"/proc/{d}/stat", "rb") as f:
+                    if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
+                        continue
+            except (OSError, IndexError):
+                continue
+            out.append(int(d))
+    return out
 
-    As the namespace's pid 1: SIGKILL every other process in the namespace (detached or not).
-    Without a pid namespace (isolation 'none') kill(-1) would hit the whole machine, so only the
-    cell's process group is killed; a child that called setsid() can then survive.
-    """
-    try:
-        if os.getpid() == 1:
-            os.kill(-1, signal.SIGKILL)
-        elif pgid is not None:
-            os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    if os.getpid() != 1:
-        return
+
+def _reap():
     while True:
         try:
-            os.waitpid(-1, 0)
+            pid, _ = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
+            return
+        if pid == 0:
             return
 
 
+def _kill_others_and_reap(pgid=None, keep=None):
+    """Remove what a cell left running, then reap it; True when nothing is left.
+
+    As the namespace's pid 1 without a child to keep: kill(-1) hits every other process in the
+    namespace (detached or not). Keeping the session child: SIGKILL every other pid until none is
+    left (forks made meanwhile are caught next round; RLIMIT_NPROC bounds them). Without a pid
+    namespace (isolation 'none') kill(-1) would hit the whole machine, so only the cell's process
+    group is killed; a child that called setsid() can then survive.
+    """
+    if os.getpid() != 1:
+        try:
+            if pgid is not None:
+                os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        return True
+    if keep is None:
+        try:
+            os.kill(-1, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        while True:
+            try:
+                os.waitpid(-1, 0)
+            except ChildProcessError:
+                return True
+    for _ in range(200):
+        pids = _others(keep)
+        if not pids:
+            _reap()
+            return True
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        _reap()
+        time.sleep(0.001)
+    return not _others(keep)
+
+
+def _oom_score(value):
+    """Set this process's OOM score adjustment (children inherit it); best effort."""
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write(str(value))
+    except OSError:
+        pass
+
+
+def _isolate_ipc(cfg):
+    """A fresh IPC namespace for this session child: what it creates vanishes with it."""
+    if cfg.get("isolate_ipc"):
+        _sys("unshare", CLONE_NEWIPC)
+
+
+def _status_of(wstatus):
+    if os.WIFSIGNALED(wstatus):
+        return {"kind": "signal", "signal": signal.Signals(os.WTERMSIG(wstatus)).name}
+    return {"kind": "exit", "code": os.WEXITSTATUS(wstatus)}
+
+
+# ---- fork mode: one fresh process per cell
+
+def _forked_cell(req, base_globals, cfg, out_w, err_w):
+    """The child: never returns."""
+    try:
+        os.setsid()
+        os.dup2(out_w, 1)
+        os.dup2(err_w, 2)
+        os.closerange(3, 1 << 16)
+        _oom_score(1000)  # cells are the OOM killer's first choice, in the cgroup and on the host
+        _drop_privileges(cfg.get("uid"))
+        os.chdir(cfg["workdir"])
+        _apply_limits(cfg["limits"])
+        _std_streams()
+        status = _run_code(req["code"], dict(base_globals))
+        _flush()
+        os._exit(status.get("code", 1))
+    finally:
+        os._exit(120)
+
+
 def _run_forked(req, base_globals, cfg):
-    limits, uid = cfg["limits"], cfg.get("uid")
-    workdir = cfg["workdir"]
-    _fresh_dir(workdir, uid)
+    limits = cfg["limits"]
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     t0 = time.monotonic()
     pid = os.fork()
-    if pid == 0:  # the cell
-        try:
-            os.setsid()
-            os.dup2(out_w, 1)
-            os.dup2(err_w, 2)
-            os.closerange(3, 1 << 16)
-            _drop_privileges(uid)
-            os.chdir(workdir)
-            _apply_limits(limits)
-            sys.stdout = os.fdopen(1, "w", buffering=1, errors="backslashreplace", closefd=False)
-            sys.stderr = os.fdopen(2, "w", buffering=1, errors="backslashreplace", closefd=False)
-            code = 0
-            try:
-                exec(_compile(req["code"]), dict(base_globals))
-            except SystemExit as e:
-                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-                if e.code is not None and not isinstance(e.code, int):
-                    print(e.code, file=sys.stderr)
-            except BaseException as e:  # noqa: BLE001 - the model's exception, reported to it
-                sys.stderr.write(_trimmed_traceback(e))
-                code = 1
-            try:
-                sys.stdout.flush()
-                sys.stderr.flush()
-            except BaseException:  # noqa: BLE001
-                pass
-            os._exit(code & 0xFF)
-        finally:
-            os._exit(120)
+    if pid == 0:
+        _forked_cell(req, base_globals, cfg, out_w, err_w)
     os.close(out_w)
     os.close(err_w)
     cap = cfg["capture_bytes"]
@@ -241,72 +501,277 @@ def _run_forked(req, base_globals, cfg):
     os.close(pidfd)
     for fd in (out_r, err_r):
         os.close(fd)
-    if timed_out:
-        status = {"kind": "timeout"}
-    elif os.WIFSIGNALED(wstatus):
-        status = {"kind": "signal", "signal": signal.Signals(os.WTERMSIG(wstatus)).name}
-    else:
-        status = {"kind": "exit", "code": os.WEXITSTATUS(wstatus)}
+    status = {"kind": "timeout"} if timed_out else _status_of(wstatus)
     return {"status": status, "stdout": caps[out_r].render(), "stderr": caps[err_r].render(),
-            "seconds": elapsed}
+            "seconds": elapsed, "clean": _fresh_ipc(cfg) and _fresh_state(cfg)}
 
 
-def _run_inline(req, session_globals, cfg):
-    limits = cfg["limits"]
-    cap = cfg["capture_bytes"]
-    paths = [os.path.join(cfg["workdir"], ".stdout"), os.path.join(cfg["workdir"], ".stderr")]
-    saved = [os.dup(1), os.dup(2)]
-    files = [open(p, "wb") for p in paths]
-    os.dup2(files[0].fileno(), 1)
-    os.dup2(files[1].fileno(), 2)
-    sys.stdout = os.fdopen(1, "w", buffering=1, errors="backslashreplace", closefd=False)
-    sys.stderr = os.fdopen(2, "w", buffering=1, errors="backslashreplace", closefd=False)
-    timeout = float(req.get("timeout") or limits.get("wall_seconds", 10))
+# ---- session mode: one long-lived child per session
 
+def _write_frame(fd, obj):
+    data = json.dumps(obj).encode()
+    data = struct.pack("!I", len(data)) + data
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def _read_exact(fd, n):
+    buf = b""
+    while len(buf) < n:
+        chunk = os.read(fd, n - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    return buf
+
+
+def _session_child_loop(req_fd, status_fd, glob):
+    """Runs in the session child (uid dropped): read a cell, run it, report its status. Never returns."""
     def on_alarm(signum, frame):
         raise CellTimeout()
 
-    signal.signal(signal.SIGALRM, on_alarm)
-    t0 = time.monotonic()
-    status = {"kind": "exit", "code": 0}
+    while True:
+        head = _read_exact(req_fd, 4)
+        if head is None:
+            os._exit(0)
+        msg = json.loads(_read_exact(req_fd, struct.unpack("!I", head)[0]))
+        signal.signal(signal.SIGALRM, on_alarm)
+        t0 = time.monotonic()
+        try:
+            signal.setitimer(signal.ITIMER_REAL, float(msg["timeout"]))
+            status = _run_code(msg["code"], glob)
+        except CellTimeout:  # the timer fired outside the cell's own code
+            status = {"kind": "timeout"}
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        elapsed = time.monotonic() - t0
+        _flush()
+        _write_frame(status_fd, {"nonce": msg["nonce"], "status": status, "seconds": elapsed})
+
+
+class SessionChild:
+    """Handle, in pid 1, of the session's child: its pid, pidfd and the four pipes to it."""
+
+    def __init__(self, base_globals, cfg):
+        req_r, self.req_w = os.pipe()
+        self.status_r, status_w = os.pipe()
+        self.out_r, out_w = os.pipe()
+        self.err_r, err_w = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:
+            try:
+                os.setsid()
+                null = os.open(os.devnull, os.O_RDONLY)
+                os.dup2(null, 0)
+                os.dup2(out_w, 1)
+                os.dup2(err_w, 2)
+                os.dup2(req_r, 3)
+                os.dup2(status_w, 4)
+                os.closerange(5, 1 << 16)
+                _oom_score(1000)
+                _isolate_ipc(cfg)
+                _drop_privileges(cfg.get("uid"))
+                os.chdir(cfg["workdir"])
+                _apply_limits(cfg["limits"], inline=True)
+                _std_streams()
+                _session_child_loop(3, 4, dict(base_globals))
+            finally:
+                os._exit(120)
+        for fd in (req_r, status_w, out_w, err_w):
+            os.close(fd)
+        for fd in (self.req_w, self.status_r, self.out_r, self.err_r):
+            os.set_blocking(fd, False)
+        self.pidfd = os.pidfd_open(self.pid)
+        self.alive = True
+
+    def kill(self):
+        """SIGKILL the child and reap it; its exit status (or None if it was already reaped)."""
+        status = None
+        if self.alive:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            try:
+                _, wstatus = os.waitpid(self.pid, 0)
+                status = _status_of(wstatus)
+            except ChildProcessError:
+                pass
+            self.alive = False
+        for fd in (self.req_w, self.status_r, self.out_r, self.err_r, self.pidfd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        return status
+
+
+def _parse_status(raw, nonce):
+    """The child's status frame if it is exactly one well-formed reply to `nonce`, else None."""
+    if len(raw) < 4:
+        return None
+    n = struct.unpack("!I", raw[:4])[0]
+    if len(raw) != 4 + n:
+        return None
     try:
-        signal.setitimer(signal.ITIMER_REAL, timeout)
-        exec(_compile(req["code"]), session_globals)
-    except CellTimeout:
-        status = {"kind": "timeout"}
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        status = {"kind": "exit", "code": code}
-    except BaseException as e:  # noqa: BLE001 - the model's exception, reported to it
-        try:
-            sys.stderr.write(_trimmed_traceback(e))
-        except BaseException:  # noqa: BLE001
-            pass
-        status = {"kind": "exit", "code": 1}
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
+        msg = json.loads(raw[4:])
+    except ValueError:
+        return None
+    if not isinstance(msg, dict) or set(msg) != {"nonce", "status", "seconds"} or msg["nonce"] != nonce:
+        return None
+    st, secs = msg["status"], msg["seconds"]
+    if not isinstance(secs, (int, float)) or not isinstance(st, dict):
+        return None
+    if st == {"kind": "timeout"}:
+        return msg
+    if set(st) == {"kind", "code"} and st["kind"] == "exit" and type(st["code"]) is int and 0 <= st["code"] <= 255:
+        return msg
+    return None
+
+
+def _status_complete(raw):
+    return len(raw) >= 4 and len(raw) >= 4 + struct.unpack("!I", raw[:4])[0]
+
+
+def _run_session_cell(child, req, cfg):
+    """Relay one cell to the session child, enforcing the deadline and checking its status."""
+    limits, cap = cfg["limits"], cfg["capture_bytes"]
+    timeout = float(req.get("timeout") or limits.get("wall_seconds", 10))
+    nonce = os.urandom(12).hex()
+    frame = json.dumps({"nonce": nonce, "code": req["code"], "timeout": timeout}).encode()
+    pending = struct.pack("!I", len(frame)) + frame
+    caps = {child.out_r: Capture(cap), child.err_r: Capture(cap)}
+    raw, crash = b"", None
+    t0 = time.monotonic()
+    hard = t0 + timeout + SESSION_KILL_GRACE
+    try:
+        pending = pending[os.write(child.req_w, pending):]  # usually all of it: the pipe is empty
+    except BlockingIOError:
+        pass
+    except OSError:
+        crash = "died"
+    while crash is None:
+        left = hard - time.monotonic()
+        if left <= 0:
+            crash = "timeout"
+            break
+        rd = [child.out_r, child.err_r, child.status_r, child.pidfd]
+        ready, writable, _ = select.select(rd, [child.req_w] if pending else [], [], left)
+        if writable:
+            try:
+                pending = pending[os.write(child.req_w, pending):]
+            except BlockingIOError:
+                pass
+            except OSError:
+                crash = "died"
+                break
+        if child.pidfd in ready:
+            crash = "died"
+            break
+        for fd in (child.out_r, child.err_r):
+            if fd in ready:
+                _drain(fd, caps[fd])
+        if child.status_r in ready:
+            chunk = _read_some(child.status_r)
+            if chunk is None:
+                continue
+            if not chunk:  # the child closed its status pipe: it is ending; let it finish to get its status
+                select.select([child.pidfd], [], [], SESSION_KILL_GRACE)
+                crash = "died"
+                break
+            if len(raw) + len(chunk) > MAX_STATUS_BYTES:
+                crash = "protocol"
+                break
+            raw += chunk
+            if _status_complete(raw):
+                break
     elapsed = time.monotonic() - t0
-    for stream in (sys.stdout, sys.stderr):
+    for fd in (child.out_r, child.err_r):
+        _drain(fd, caps[fd])
+    msg = None if crash else _parse_status(raw, nonce)
+    if crash is None and msg is None:
+        crash = "protocol"
+    if crash:
+        wst = child.kill()
+        if crash == "timeout":
+            status = {"kind": "timeout"}
+        elif crash == "died" and wst is not None:
+            status = wst
+        else:
+            status = {"kind": "crash"}
+        _kill_others_and_reap()
+        return {"status": status, "stdout": caps[child.out_r].render(), "stderr": caps[child.err_r].render(),
+                "seconds": elapsed, "crashed": crash, "clean": True}
+    clean = _kill_others_and_reap(keep=child.pid)
+    return {"status": msg["status"], "stdout": caps[child.out_r].render(), "stderr": caps[child.err_r].render(),
+            "seconds": float(msg["seconds"]), "crashed": None, "clean": clean}
+
+
+def _read_some(fd):
+    """Bytes, b'' at EOF, or None when nothing is there after all."""
+    try:
+        return os.read(fd, 1 << 16)
+    except BlockingIOError:
+        return None
+    except OSError:
+        return b""
+
+
+def _drain(fd, cap):
+    """Read what `fd` holds now, without waiting."""
+    while True:
         try:
-            stream.flush()
-        except BaseException:  # noqa: BLE001
-            pass
-    os.dup2(saved[0], 1)
-    os.dup2(saved[1], 2)
-    for fd in saved:
-        os.close(fd)
-    outs = []
-    for f, p in zip(files, paths):
-        f.close()
-        c = Capture(cap)
-        with open(p, "rb") as fh:
-            c.add(fh.read(2 * cap))
-            size = os.path.getsize(p)
-        c.total = max(c.total, size)
-        outs.append(c.render())
-        os.unlink(p)
-    _kill_others_and_reap()
-    return {"status": status, "stdout": outs[0], "stderr": outs[1], "seconds": elapsed}
+            data = os.read(fd, 1 << 16)
+        except (BlockingIOError, OSError):
+            return
+        if not data:
+            return
+        cap.add(data)
+
+
+def _serve_session(cfg, base_globals):
+    child = None
+
+    def start():
+        nonlocal child
+        if child is not None:
+            child.kill()
+        _kill_others_and_reap()
+        if not _fresh_state(cfg):
+            child = None
+            return False
+        child = SessionChild(base_globals, cfg)
+        return True
+
+    ok = start()
+    _send({"ready": ok, "pid": os.getpid(), "uid": cfg.get("uid"), "failed_preimports": cfg["_failed"]})
+    for req in _requests():
+        rid = req.get("id")
+        if req.get("op") == "ping":
+            _send({"id": rid, "pong": True})
+        elif req.get("op") == "reset":
+            _send({"id": rid, "reset": start()})
+        elif child is None or not child.alive:
+            _send({"id": rid, "status": {"kind": "crash"}, "stdout": Capture(0).render(),
+                   "stderr": Capture(0).render(), "seconds": 0.0, "crashed": "missing", "clean": True})
+        else:
+            reply = _run_session_cell(child, req, cfg)
+            if reply["crashed"]:
+                child = None
+            reply["id"] = rid
+            _send(reply)
+
+
+def _serve_pool(cfg, base_globals):
+    ok = _fresh_state(cfg)
+    _send({"ready": ok, "pid": os.getpid(), "uid": cfg.get("uid"), "failed_preimports": cfg["_failed"]})
+    for req in _requests():
+        if req.get("op") == "ping":
+            _send({"id": req.get("id"), "pong": True})
+            continue
+        reply = _run_forked(req, base_globals, cfg)
+        reply["id"] = req.get("id")
+        _send(reply)
 
 
 def main():
@@ -321,24 +786,19 @@ def main():
             exec(line, base_globals)
         except Exception as e:  # noqa: BLE001 - a missing optional module must not stop the worker
             failed.append(f"{line}: {type(e).__name__}: {e}")
-    inline = cfg["mode"] == "inline"
-    os.makedirs(cfg["workdir"], exist_ok=True)
-    if inline:
-        _fresh_dir(cfg["workdir"], cfg.get("uid"))
-        _drop_privileges(cfg.get("uid"))
-        os.chdir(cfg["workdir"])
-        _apply_limits(cfg["limits"], inline=True)
-    _send({"ready": True, "pid": os.getpid(), "uid": os.getuid(), "failed_preimports": failed})
-    session_globals = dict(base_globals)
-    for req in _requests():
-        if req.get("op") == "ping":
-            _send({"pong": True})
-            continue
-        if inline:
-            reply = _run_inline(req, session_globals, cfg)
+    cfg["_failed"] = failed
+    if os.getpid() == 1:
+        _oom_score(-1000)  # the cgroup's OOM killer must pick a cell, never this process (needs CAP_SYS_RESOURCE)
+    code = 0
+    try:
+        if cfg["mode"] == "session":
+            _serve_session(cfg, base_globals)
         else:
-            reply = _run_forked(req, base_globals, cfg)
-        _send(reply)
+            _serve_pool(cfg, base_globals)
+    except BaseException:  # noqa: BLE001 - logged for the host, then the worker ends
+        os.write(DIAGNOSTICS, traceback.format_exc().encode())
+        code = 70
+    os._exit(code)  # never wait for threads: pid 1 leaving ends the namespace
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from sandbox import SandboxConfig, SandboxPool
+from sandbox.pool import SLOTS
 from sandbox.worker import Worker
 
 CELL = "print(sum(i * i for i in range(1000)))"
@@ -52,12 +53,15 @@ def run(cells: int) -> dict:
         with pool.session() as s:
             results["latency"]["stateful session"] = _stats(_timed(lambda: s.run(CELL), cells))
 
+        slot = SLOTS.take()  # a uid of its own, like any worker
+
         def fresh_worker() -> None:
-            w = Worker(config, pool.mechanism, slot=999)
+            w = Worker(config, pool.mechanism, slot=slot)
             w.request({"op": "run", "code": CELL, "timeout": 10}, 10)
             w.close()
 
         results["latency"]["fresh isolated worker"] = _stats(_timed(fresh_worker, max(5, cells // 20)))
+        SLOTS.give(slot)
         results["latency"]["fresh python -c"] = _stats(_timed(
             lambda: subprocess.run([sys.executable, "-I", "-c", CELL], capture_output=True, check=True), max(10, cells // 4)))
 

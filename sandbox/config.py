@@ -25,13 +25,14 @@ DEFAULT_PREIMPORTS = (
 
 @dataclass(frozen=True)
 class Limits:
-    wall_seconds: float = 10.0  # per cell; every descendant is killed at the deadline
+    wall_seconds: float = 10.0  # per cell; every descendant is killed at the deadline (also a session's replay budget)
     cpu_seconds: int = 20  # RLIMIT_CPU backstop per stateless cell
-    memory_mb: int = 1024  # address space on top of the warm interpreter's
-    file_size_mb: int = 16  # largest file a cell may write (also caps captured session output)
+    memory_mb: int = 1024  # on top of the warm worker: all of a cell's processes together (memory cgroup,
+    #                        tmpfs files and SysV shared memory included) and, per process, address space
+    file_size_mb: int = 16  # largest file a cell may write
     open_files: int = 64
     max_processes: int = 32  # binds via a per-slot uid (root) or the pid namespace
-    tmpfs_mb: int = 64  # private /tmp of each worker
+    tmpfs_mb: int = 64  # each private tmpfs (/tmp, /var/tmp, /dev/shm, /run, /run/lock), fresh per pool cell
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -1,0 +1,222 @@
+"""One memory cgroup per sandbox worker: a limit on all of a cell's processes together, and a kill
+switch that reaches every process in it.
+
+RLIMIT_AS binds one process at a time, so a cell that forks N children could use N x `memory_mb`
+(and SysV shared memory or tmpfs files were charged to nothing). A memory cgroup charges every
+page that any process of the worker touches, shared memory and tmpfs included, and the kernel's
+OOM killer acts inside it only.
+
+Two layouts are supported, both host side only (the sandbox never sees /sys):
+- cgroup v2 where the memory controller is delegated to our cgroup (`memory.max`,
+  `memory.swap.max`, `memory.events`, `cgroup.kill`);
+- cgroup v1 where the memory controller is mounted and our cgroup in it is writable
+  (`memory.limit_in_bytes`, `memory.memsw.limit_in_bytes`, `memory.oom_control`).
+Elsewhere `available()` says why not and the pool warns: the limit then stays per process.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+import re
+import signal
+import time
+
+_counter = itertools.count()
+PREFIX = "sandbox-"
+
+
+def _mounts() -> list[tuple[str, str, str]]:
+    """(mount point, fs type, super options) of every mount this process sees."""
+    out = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            fields, rest = left.split(), right.split()
+            if len(fields) >= 5 and len(rest) >= 3:
+                out.append((fields[4].replace("\\040", " "), rest[0], rest[2]))
+    return out
+
+
+def _own_paths() -> dict[str, str]:
+    """{controller list or '' for v2: path} from /proc/self/cgroup."""
+    out = {}
+    with open("/proc/self/cgroup") as f:
+        for line in f:
+            _, ctrl, path = line.rstrip("\n").split(":", 2)
+            out[ctrl] = path
+    return out
+
+
+def _v2_base() -> str | None:
+    own = _own_paths().get("")
+    for mp, fstype, _ in _mounts():
+        if fstype == "cgroup2" and own is not None:
+            base = os.path.join(mp, own.lstrip("/"))
+            try:
+                with open(os.path.join(base, "cgroup.subtree_control")) as f:
+                    if "memory" in f.read().split() and os.access(base, os.W_OK):
+                        return base
+            except OSError:
+                pass
+    return None
+
+
+def _v1_base() -> str | None:
+    paths = _own_paths()
+    own = next((p for c, p in paths.items() if "memory" in c.split(",")), None)
+    for mp, fstype, opts in _mounts():
+        if fstype == "cgroup" and "memory" in opts.split(",") and own is not None:
+            base = os.path.join(mp, own.lstrip("/"))
+            if os.path.isfile(os.path.join(base, "memory.limit_in_bytes")) and os.access(base, os.W_OK):
+                return base
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def available() -> tuple[str | None, str, str]:
+    """(version 'v2' | 'v1' | None, base folder, reason). Probed once: makes and removes a test group."""
+    for version, base in (("v2", _v2_base()), ("v1", _v1_base())):
+        if base is None:
+            continue
+        probe = os.path.join(base, f"{PREFIX}probe-{os.getpid()}")
+        try:
+            os.mkdir(probe)
+            os.rmdir(probe)
+        except OSError as e:
+            return None, "", f"cgroup {version} memory controller at {base} is not writable: {e}"
+        _remove_stale(base)
+        return version, base, f"cgroup {version} memory limit per worker"
+    return None, "", "no writable cgroup memory controller (neither v2 with memory delegated nor v1 memory)"
+
+
+def _remove_stale(base: str) -> None:
+    """Groups left by a harness that died (its pid is gone): kill what is inside, remove them."""
+    for name in os.listdir(base):
+        m = re.fullmatch(rf"{PREFIX}(\d+)-\d+", name)
+        if m and not os.path.exists(f"/proc/{m.group(1)}"):
+            _kill_members(os.path.join(base, name))
+            try:
+                os.rmdir(os.path.join(base, name))
+            except OSError:
+                pass
+
+
+def _read_procs(path: str) -> list[int]:
+    try:
+        with open(os.path.join(path, "cgroup.procs")) as f:
+            return [int(x) for x in f.read().split()]
+    except (OSError, ValueError):
+        return []
+
+
+def _kill_members(path: str, rounds: int = 100) -> bool:
+    """SIGKILL every process in the group until it is empty (new forks are caught next round)."""
+    for _ in range(rounds):
+        pids = _read_procs(path)
+        if not pids:
+            return True
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.005)
+    return not _read_procs(path)
+
+
+def _write(path: str, value: str) -> bool:
+    try:
+        with open(path, "w") as f:
+            f.write(value)
+        return True
+    except OSError:
+        return False
+
+
+def _read_int(path: str, key: str | None = None) -> int:
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError:
+        return 0
+    if key is None:
+        return int(text.split()[0]) if text.split() and text.split()[0].isdigit() else 0
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[0] == key:
+            return int(parts[1])
+    return 0
+
+
+class CellGroup:
+    """The cgroup of one worker: everything its namespace runs is charged and killed here."""
+
+    def __init__(self, version: str, path: str):
+        self.version, self.path = version, path
+        self.limit_bytes = 0
+
+    @classmethod
+    def create(cls) -> "CellGroup | None":
+        version, base, _ = available()
+        if version is None:
+            return None
+        path = os.path.join(base, f"{PREFIX}{os.getpid()}-{next(_counter)}")
+        try:
+            os.mkdir(path)
+        except OSError:
+            return None
+        return cls(version, path)
+
+    @property
+    def procs_file(self) -> str:
+        """The file a process writes `0` into to join the group (done before the worker starts)."""
+        return os.path.join(self.path, "cgroup.procs")
+
+    def usage(self) -> int:
+        return _read_int(os.path.join(self.path, "memory.current" if self.version == "v2" else "memory.usage_in_bytes"))
+
+    def peak(self) -> int:
+        """Highest usage seen (v1 always; v2 where the kernel has memory.peak); 0 if unknown."""
+        return _read_int(os.path.join(self.path, "memory.peak" if self.version == "v2" else "memory.max_usage_in_bytes"))
+
+    def limit_memory(self, extra_bytes: int) -> bool:
+        """Cap the group at what the warm worker uses now plus `extra_bytes`, swap included."""
+        limit = self.usage() + extra_bytes
+        if self.version == "v2":
+            ok = _write(os.path.join(self.path, "memory.max"), str(limit))
+            _write(os.path.join(self.path, "memory.swap.max"), "0")
+        else:
+            ok = _write(os.path.join(self.path, "memory.limit_in_bytes"), str(limit))
+            memsw = os.path.join(self.path, "memory.memsw.limit_in_bytes")
+            if os.path.exists(memsw):
+                _write(memsw, str(limit))
+        self.limit_bytes = limit if ok else 0
+        return ok
+
+    def oom_kills(self) -> int:
+        """How many processes the kernel killed in this group for exceeding the limit so far."""
+        if self.version == "v2":
+            return _read_int(os.path.join(self.path, "memory.events"), "oom_kill")
+        return _read_int(os.path.join(self.path, "memory.oom_control"), "oom_kill")
+
+    def kill(self) -> bool:
+        """Kill every process in the group; True when it is empty."""
+        if self.version == "v2" and _write(os.path.join(self.path, "cgroup.kill"), "1"):
+            for _ in range(200):
+                if not _read_procs(self.path):
+                    return True
+                time.sleep(0.005)
+        return _kill_members(self.path)
+
+    def remove(self) -> None:
+        self.kill()
+        for _ in range(50):
+            try:
+                os.rmdir(self.path)
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                time.sleep(0.01)  # the last member is still exiting
