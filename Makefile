@@ -184,7 +184,7 @@ test: $(SETUP) $(TRITON_SETUP)
 	timeout 900 $(TRITON_PY) -m pytest -q $(PYTEST_ARGS) tests/test_triton_e2e.py
 
 bench: build $(TRITON_SETUP)
-	$(PY) -m sandbox.bench --out bench/sandbox.json
+	$(PY) -m server.bench.sandbox --out bench/sandbox.json
 	$(PY) -m server.bench.serving --recipe $(RECIPE) --out bench/serving.json
 	PYTHONPATH=$(CURDIR) $(TRITON_PY) -m server.bench.triton --engine $(OUT)/build/embedded --out bench/triton.json
 	$(PY) -m server.bench.formats --recipe $(RECIPE) --out bench/formats.json

@@ -1,6 +1,6 @@
 """Sandbox benchmark: per-cell latency and throughput, measured side by side in one run.
 
-    python -m sandbox.bench [--cells 200] [--out bench/sandbox.json]
+    python -m server.bench.sandbox [--cells 200] [--out bench/sandbox.json]
 
 Latency (median, p90) of one small cell through: the warm pool (fork from a preimported worker),
 a stateful session, a fresh isolated worker per cell (what a harness without a pool pays), and a
