@@ -155,22 +155,29 @@ def agreement(model: Any, vocab: int, context: int, steps: int = 32, b: int = 4)
 
 
 def engine_decode(engine: Any, vocab: int, b: int, context: int, short: int, long: int) -> dict[str, float]:
-    """Decode tok/s of the whole engine: (b * (long - short)) / (t_long - t_short)."""
-    from server.protocol import Request, SamplingParams, collect
+    """Decode tok/s of the whole engine: b requests admitted together (prefilled in one scheduler
+    iteration), timed from the moment every one has its first token to the moment all have ended."""
+    from server.protocol import Delta, Request, SamplingParams
 
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, vocab, (context,), generator=gen).tolist() for _ in range(b)]
 
-    async def run(n: int) -> float:
+    async def one(p: list[int], n: int, firsts: list[float]) -> float:
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-        t = time.perf_counter()
-        await asyncio.gather(*(collect(engine, Request(list(p) + [i % vocab], params)) for i, p in enumerate(prompts)))
-        return time.perf_counter() - t
+        async for ev in engine.generate(Request(p, params)):
+            if isinstance(ev, Delta) and ev.token_ids:
+                firsts.append(time.perf_counter())
+        return time.perf_counter()
+
+    async def run(n: int) -> float:
+        stamps: list[list[float]] = [[] for _ in prompts]
+        ends = await asyncio.gather(*(one(p, n, stamps[i]) for i, p in enumerate(prompts)))
+        start = max(s[0] for s in stamps)  # every request is decoding from here on
+        tokens = sum(sum(1 for t in s if t > start) for s in stamps)
+        return tokens / max(1e-9, max(ends) - start)
 
     asyncio.run(run(4))  # warm-up: graphs for this batch and context captured
-    t_short = statistics.median(asyncio.run(run(short)) for _ in range(2))
-    t_long = statistics.median(asyncio.run(run(long)) for _ in range(2))
-    return {"tok_s": round(b * (long - short) / max(1e-9, t_long - t_short), 1)}
+    return {"tok_s": round(statistics.median(asyncio.run(run(long)) for _ in range(3)), 1)}
 
 
 @torch.inference_mode()

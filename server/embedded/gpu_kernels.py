@@ -15,6 +15,7 @@ Imported only on CUDA (Triton is a GPU dependency); `available()` says whether e
 from __future__ import annotations
 
 import functools
+import os
 from typing import Optional
 
 import torch
@@ -71,21 +72,26 @@ def _split(m_tiles: int, n_tiles: int, k_blocks: int, sms: int) -> int:
     return split
 
 
-def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor] = None
-                 ) -> torch.Tensor:
+# (BLOCK_N, BLOCK_K, num_warps, num_stages): chosen on an H200 with `python -m server.bench.kernels`;
+# W8A16_CONFIG="n,k,warps,stages" overrides it (tuning on another GPU)
+CONFIG = tuple(int(v) for v in os.environ.get("W8A16_CONFIG", "64,256,8,3").split(","))
+
+
+def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                 config: Optional[tuple[int, int, int, int]] = None, split: Optional[int] = None) -> torch.Tensor:
     """x [..., K] (bf16/fp16) @ int8 weight [N, K] * per-channel scale [N] (+ bias) -> [..., N]."""
     shape = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     m, k = x2.shape
     n = weight.shape[0]
     block_m = 16 if m <= 16 else 32
-    block_n, block_k = 64, 128
+    block_n, block_k, warps, stages = config or CONFIG
     m_tiles, n_tiles = -(-m // block_m), -(-n // block_n)
-    split = _split(m_tiles, n_tiles, -(-k // block_k), _sm_count(x.device.index or 0))
+    split = split or _split(m_tiles, n_tiles, -(-k // block_k), _sm_count(x.device.index or 0))
     partial = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     _kernel()[(n_tiles, m_tiles, split)](x2, weight, partial, m, n, k, x2.stride(0), weight.stride(0),
                                          BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split,
-                                         num_warps=4, num_stages=3)
+                                         num_warps=warps, num_stages=stages)
     y = (partial.sum(0) if split > 1 else partial[0]) * scale.float()
     if bias is not None:
         y = y + bias.float()
