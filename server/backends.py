@@ -8,6 +8,7 @@
 | embedded | `server.embedded.engine`        | an embedded engine folder or an HF checkpoint |
 | trtllm   | `server.trtllm.engine`          | a TensorRT-LLM engine folder (its environment) |
 | triton   | `server.triton.engine`          | any Triton deployment of the ensemble interface |
+| openai   | `server.openai.engine`          | any OpenAI-compatible server (trtllm-serve, vLLM, SGLang, `make serve`); several URLs: replicas |
 
 `auto` has one meaning everywhere (build and serving): TensorRT-LLM where this machine can use it,
 else embedded. For serving, "can use" is "a trtllm engine folder was built and this python imports
@@ -29,6 +30,7 @@ DRIVERS = {
     "embedded": ("server.embedded.engine", "EmbeddedEngine"),
     "trtllm": ("server.trtllm.engine", "TrtllmEngine"),
     "triton": ("server.triton.engine", "TritonEngine"),
+    "openai": ("server.openai.engine", "OpenAIEngine"),
 }
 SERVING_BACKENDS = ("auto", *DRIVERS)
 
@@ -72,16 +74,26 @@ def serving_backend(layout: Layout, requested: str) -> str:
     return "trtllm" if usable and layout.has_engine("trtllm") else "embedded"
 
 
-def open_for_recipe(recipe: Any, backend: str = "auto", triton_url: str = "localhost:8001") -> Any:
-    """The engine that serves a recipe's build: its engine folder, or a Triton server in front of it."""
+def tokenizer_dir(layout: Layout) -> Path:
+    """The tokenizer of a recipe's build (what a remote backend decodes the server's tokens with)."""
+    for kind in ("trtllm", "embedded"):
+        model_dir = layout.engine(kind) / "model"
+        if (model_dir / "tokenizer_config.json").is_file():
+            return model_dir
+    raise FileNotFoundError(f"{layout.build}: no engine folder (its tokenizer); run `make engine` first")
+
+
+def open_for_recipe(recipe: Any, backend: str = "auto", triton_url: str = "localhost:8001", url: str = "") -> Any:
+    """The engine that serves a recipe's build: its engine folder, or a server in front of it
+    (Triton at `triton_url`; OpenAI-compatible servers at `url`, comma-separated replicas)."""
     layout: Layout = recipe.layout
     chosen = serving_backend(layout, backend)
     if chosen == "triton":  # whichever engine the server runs; the tokenizer comes from its engine folder
-        for kind in ("trtllm", "embedded"):
-            model_dir = layout.engine(kind) / "model"
-            if (model_dir / "tokenizer_config.json").is_file():
-                return driver("triton")(triton_url, str(model_dir))
-        raise FileNotFoundError(f"{layout.build}: no engine folder (its tokenizer); run `make engine` first")
+        return driver("triton")(triton_url, str(tokenizer_dir(layout)))
+    if chosen == "openai":
+        if not url:
+            raise ValueError("backend openai: give the server URL(s): URL=http://host:8000/v1[,http://host2:8000/v1]")
+        return driver("openai")(url, str(tokenizer_dir(layout)))
     folder = layout.engine(chosen)
     if not layout.has_engine(chosen):
         raise FileNotFoundError(f"{layout.engine_file(chosen)}: no {chosen} engine; run "

@@ -26,7 +26,8 @@ ALLOWED = {  # package -> what its modules may import from the project
 }
 RUNTIME_FLOORS = (  # inside server/: module prefixes per floor, bottom up; anything else is a surface
     ("server.protocol", "server.textstream", "server.stream", "server.answers", "server.budget"),
-    ("server.embedded.", "server.trtllm.engine", "server.triton.engine", "server.triton.interface", "server.backends"),
+    ("server.embedded.", "server.trtllm.engine", "server.triton.engine", "server.triton.interface", "server.openai.engine",
+     "server.backends"),
     ("server.tir", "server.solver", "server.metrics", "server.problems", "server.assembly"),
 )
 
