@@ -1,0 +1,127 @@
+"""`make serve MODEL=mix`: the OpenAI-compatible HTTP server (server/openai/app.py) under uvicorn.
+
+    python -m server.openai.serve --recipe engines/mix.yaml [--backend auto|embedded|trtllm|triton|openai] [--port 8000]
+    python -m server.openai.serve --engine engines/mix/build/embedded     # an engine folder or an HF checkpoint
+
+The port opens at once and answers 503 while the engine loads; a line `[serve] ready: ...` says
+when it serves. SIGTERM (or Ctrl-C) drains: no new requests (503), the running ones finish within
+--drain-seconds, after which they are cancelled; then the engine closes and the process exits 0.
+A second signal exits at once. An engine that fails to load ends the process with status 1.
+`--backend openai --url A,B` serves other OpenAI-compatible servers through this one (a fan-out
+over replicas, with the openai backend's routing and fail-over).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+
+def _log(msg: str) -> None:
+    print(f"[serve] {msg}", file=sys.stderr, flush=True)
+
+
+def engine_loader(args: argparse.Namespace) -> tuple[Callable[[], Any], str]:
+    """How to open the engine the arguments name (run later, in the loading thread), and its model name."""
+    from server import backends
+
+    overrides = {k: v for k, v in (("max_batch_size", args.max_batch_size), ("max_seq_len", args.max_seq_len),
+                                   ("threads", args.threads)) if v}
+    if args.engine:
+        folder = Path(args.engine)
+        name = args.model_name or (folder.parent.parent.name if folder.parent.name == "build" else folder.name)
+        if (folder / "engine.json").is_file():
+            return (lambda: backends.open_engine(folder, **overrides)), name
+        if (folder / "config.json").is_file():
+            return (lambda: backends.driver("embedded").from_dir(folder, **overrides)), name
+        raise FileNotFoundError(f"{folder}: neither an engine folder (engine.json) nor an HF checkpoint (config.json)")
+    from trtbuild.core.recipe import load_recipe
+
+    recipe = load_recipe(args.recipe)
+    return (lambda: backends.open_for_recipe(recipe, args.backend, args.triton_url, args.url)), args.model_name or recipe.name
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    from server.backends import SERVING_BACKENDS
+
+    ap = argparse.ArgumentParser(prog="python -m server.openai.serve", description=__doc__.splitlines()[0])
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--recipe", help="serve this recipe's built engine (engines/<model>.yaml)")
+    src.add_argument("--engine", help="serve this engine folder (engine.json) or HF checkpoint (config.json)")
+    ap.add_argument("--backend", default="auto", help=" | ".join(SERVING_BACKENDS) + " (with --recipe)")
+    ap.add_argument("--triton-url", default="localhost:8001", help="with --backend triton: the server's gRPC address")
+    ap.add_argument("--url", default="", help="with --backend openai: the servers, comma-separated")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--model-name", default=None, help="the name clients use (default: the recipe's, or the folder's)")
+    ap.add_argument("--drain-seconds", type=float, default=30.0, help="on SIGTERM, how long running requests may finish")
+    ap.add_argument("--max-batch-size", type=int, default=None, help="override the engine's limit (embedded)")
+    ap.add_argument("--max-seq-len", type=int, default=None, help="override the engine's limit (embedded)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads of the embedded engine")
+    ap.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    args = ap.parse_args(argv)
+    try:
+        import uvicorn
+
+        from server.openai.app import create_app
+    except ImportError as e:
+        print(f"serve: {e}; install the pinned environment (`make setup`)", file=sys.stderr)
+        return 2
+    try:
+        load, name = engine_loader(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"serve: {e}", file=sys.stderr)
+        return 2
+
+    failed: list[BaseException] = []
+    server: Any = None
+
+    def on_failure(e: BaseException) -> None:
+        failed.append(e)
+        _log(f"the engine failed to load: {type(e).__name__}: {e}")
+        if server is not None:
+            server.should_exit = True
+
+    app = create_app(load, name, on_failure)
+    state = app.state.serving
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            """Drain on the first signal, exit at once on the second; then exit 0 (uvicorn's own
+            handler re-raises the signal after shutdown, which would end the process by it)."""
+            if self.should_exit:
+                self.force_exit = True
+                return
+            _log(f"signal {sig}: draining (running requests get {args.drain_seconds:.0f}s), then exit")
+            state.draining = True
+            self.should_exit = True
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=args.access_log,
+                            timeout_graceful_shutdown=int(max(1, args.drain_seconds)), lifespan="on")
+    server = Server(config)
+    t0 = time.monotonic()
+    _log(f"listening on http://{args.host}:{args.port}/v1 (model {name!r}); loading the engine")
+
+    import threading
+
+    def announce() -> None:
+        while state.api is None and not state.error and not state.draining:
+            time.sleep(0.1)
+        if state.api is not None:
+            api = state.api
+            _log(f"ready: model {name!r} on http://{args.host}:{args.port}/v1, backend "
+                 f"{getattr(api.engine, 'name', '?')}, loaded in {time.monotonic() - t0:.1f}s"
+                 + (f", max_input_len {api.max_input_len}" if api.max_input_len else ""))
+    threading.Thread(target=announce, daemon=True).start()
+    server.run()
+    if failed:
+        return 1
+    _log("stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

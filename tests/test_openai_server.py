@@ -1,0 +1,291 @@
+"""`make serve` end to end: the official `openai` client against the real server (uvicorn, the embedded
+engine on a tiny random model) on loopback: completions and chat, streamed and not, token-id prompts
+and token ids back, stop strings, logprobs, seeds, n, usage, cancel on disconnect, bad requests,
+the prompt limit, 503 while loading, SIGTERM drain."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("uvicorn")
+
+from openai_servers import ServerProcess, free_port, hang_guard  # noqa: E402,F401
+from server.protocol import Request, SamplingParams, collect  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models, tmp_path_factory):
+    srv = ServerProcess(tiny_models["llama-tir"], tmp_path_factory.mktemp("serve") / "server.log").start()
+    try:
+        yield srv.wait_ready()
+    finally:
+        srv.kill()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url, api_key="test", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def local(tiny_models):
+    """The same engine in this process: what the server must reproduce."""
+    from server.embedded.engine import EmbeddedEngine
+
+    eng = EmbeddedEngine.from_dir(tiny_models["llama-tir"], max_batch_size=8, max_seq_len=384, threads=1)
+    yield eng
+    eng.shutdown()
+
+
+def greedy_local(local, prompt, n=24, **kw):
+    _, final = asyncio.run(collect(local, Request(list(prompt), SamplingParams(temperature=0, max_tokens=n, **kw))))
+    return final
+
+
+def wait_for(cond, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_models_health_and_greedy_token_ids_equal_the_engine(server, client, local):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    prompt = local.tokenize(local.chat_prompt("What is 6 times 7?"))
+    ref = greedy_local(local, prompt)
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0,
+                                  extra_body={"return_token_ids": True})
+    c = r.choices[0]
+    assert c.model_extra["token_ids"] == list(ref.token_ids) and c.model_extra["prompt_token_ids"] == prompt
+    assert c.text == ref.text and c.finish_reason == ("length" if len(ref.token_ids) == 24 else "stop")
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(prompt), len(ref.token_ids))
+    assert r.usage.total_tokens == len(prompt) + len(ref.token_ids)
+    # text prompts are tokenized the engine's way: the same request as text gives the same reply
+    r2 = client.completions.create(model="tiny", prompt=local.chat_prompt("What is 6 times 7?"), max_tokens=24,
+                                   temperature=0)
+    assert r2.choices[0].text == ref.text
+    assert r2.usage.prompt_tokens_details.cached_tokens > 0  # the server's engine reused the first request's KV
+
+
+def test_streaming_chat_and_completions_match_their_whole_replies(client, local):
+    msgs = [{"role": "user", "content": "What is 3 + 4?"}]
+    whole = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=20, temperature=0)
+    chunks = list(client.chat.completions.create(model="tiny", messages=msgs, max_tokens=20, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == whole.choices[0].message.content == greedy_local(local, local.tokenize(local.chat_prompt("What is 3 + 4?")), 20).text
+    finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert finishes == [whole.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert whole.object == "chat.completion" and chunks[1].object == "chat.completion.chunk"
+
+    prompt = local.tokenize(local.chat_prompt("Count to five."))
+    ids, text = [], ""
+    for ch in client.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0, stream=True,
+                                        extra_body={"return_token_ids": True}):
+        text += ch.choices[0].text
+        ids += ch.choices[0].model_extra.get("token_ids") or []
+    ref = greedy_local(local, prompt, 20)
+    assert ids == list(ref.token_ids) and text == ref.text
+    # trtllm-serve's way: detokenize false streams ids only
+    ids2 = [t for ch in client.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0, stream=True,
+                                                  extra_body={"detokenize": False})
+            for t in ch.choices[0].model_extra.get("token_ids") or []]
+    assert ids2 == ids
+
+
+def test_stop_strings_are_cut_from_the_text_streamed_or_not(client, local):
+    prompt = local.tokenize(local.chat_prompt("What is 6 times 7?"))
+    full = greedy_local(local, prompt, 30).text
+    stop = full[10:13]
+    want = full[: full.index(stop)]
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=30, temperature=0, stop=[stop, "\x00never"])
+    assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
+    assert r.choices[0].model_extra["stop_reason"] == stop
+    streamed = "".join(ch.choices[0].text for ch in client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=30, temperature=0, stop=stop, stream=True))
+    assert streamed == want
+    kept = client.completions.create(model="tiny", prompt=prompt, max_tokens=30, temperature=0, stop=stop,
+                                     extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].text == want + stop
+
+
+def test_logprobs_completions_and_chat(client, local):
+    prompt = local.tokenize(local.chat_prompt("What is 2 + 2?"))
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0, logprobs=3,
+                                  extra_body={"return_token_ids": True, "return_tokens_as_token_ids": True})
+    lp = r.choices[0].logprobs
+    ids = r.choices[0].model_extra["token_ids"]
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ids) == 8
+    for tok, chosen, top, tid in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, ids):
+        assert tok == f"token_id:{tid}" and len(top) == 3
+        assert chosen == max(top.values()) == top[tok]  # greedy: the chosen token is the most likely one
+    ref = asyncio.run(collect(local, Request(prompt, SamplingParams(temperature=0, max_tokens=8, top_logprobs=3))))[0]
+    assert [round(v, 4) for v in lp.token_logprobs] == [round(d.logprobs[0][0][1], 4) for d in ref if d.token_ids]
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 5 and all(len(c.top_logprobs) == 2 and c.logprob == c.top_logprobs[0].logprob for c in content)
+
+
+def test_seeds_reproduce_and_n_choices_differ(client, local):
+    prompt = local.tokenize(local.chat_prompt("Tell me a number."))
+
+    def run(seed, n=1):
+        r = client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=1.0, seed=seed, n=n,
+                                      extra_body={"return_token_ids": True})
+        return [c.model_extra["token_ids"] for c in sorted(r.choices, key=lambda c: c.index)]
+    a, b, c = run(7), run(7), run(8)
+    assert a == b and a != c
+    many = run(7, n=3)
+    assert len(many) == 3 and many[0] == a[0] and len({tuple(x) for x in many}) > 1
+    streamed = {}
+    for ch in client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=1.0, seed=7, n=3,
+                                        stream=True, extra_body={"return_token_ids": True}):
+        for choice in ch.choices:
+            streamed.setdefault(choice.index, []).extend(choice.model_extra.get("token_ids") or [])
+    assert [streamed[i] for i in range(3)] == many
+    # a list of prompts: one choice per prompt (and per n)
+    r = client.completions.create(model="tiny", prompt=[prompt, prompt[:-1]], max_tokens=4, temperature=0)
+    assert sorted(c.index for c in r.choices) == [0, 1] and r.usage.prompt_tokens == 2 * len(prompt) - 1
+
+
+def test_bad_requests_get_the_api_error_shape_naming_the_field(server, client, local):
+    prompt = local.tokenize(local.chat_prompt("x"))
+    cases = [({"temperature": "hot"}, "temperature"), ({"top_p": 0}, "top_p"), ({"max_tokens": 0}, "max_tokens"),
+             ({"n": 0}, "n"), ({"logprobs": 50}, "logprobs"), ({"echo": True}, "echo"),
+             ({"presence_penalty": 1.0}, "presence_penalty"), ({"seed": "x"}, "seed"), ({"stop": [""]}, "stop"),
+             ({"extra_body": {"top_k": 1.5}}, "top_k"), ({"prompt": [10**9]}, "prompt"), ({"prompt": []}, "prompt"),
+             ({"best_of": 3}, "best_of")]
+    for kw, field in cases:
+        args = {"model": "tiny", "prompt": prompt, "max_tokens": 4, **kw}
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(**args)
+        assert e.value.status_code == 400 and e.value.param == field, (kw, e.value.body)
+        assert e.value.type == "invalid_request_error" and field in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], top_logprobs=2)
+    assert e.value.param == "top_logprobs"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="gpt-9", prompt="x", max_tokens=2)
+    assert e.value.param == "model" and e.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as e:  # over the engine's limit (max_seq_len 384 -> 383 tokens)
+        client.completions.create(model="tiny", prompt=[5] * 400, max_tokens=2)
+    assert e.value.code == "context_length_exceeded" and e.value.param == "prompt" and "383" in e.value.message
+    import httpx2
+
+    r = httpx2.post(server.url + "/completions", content=b"{not json", timeout=10)
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+
+
+def test_a_client_that_disconnects_cancels_its_engine_request(server, client, local):
+    import httpx2
+
+    prompt = local.tokenize(local.chat_prompt("Go on forever."))
+    before = server.metrics().get('aimo_requests_total{finish_reason="cancelled"}', 0)
+    stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=300, temperature=0.8, stream=True,
+                                       extra_body={"ignore_eos": True})
+    got = 0
+    for ch in stream:
+        got += 1
+        if got == 3:
+            break
+    stream.close()
+    assert wait_for(lambda: server.metrics().get('aimo_requests_total{finish_reason="cancelled"}', 0) == before + 1)
+    assert wait_for(lambda: server.metrics()["aimo_requests_running"] == 0)
+    # not streamed: the client gives up waiting; the server notices and cancels too
+    with pytest.raises(httpx2.TimeoutException):
+        httpx2.post(server.url + "/completions", timeout=0.5,
+                    json={"prompt": prompt, "max_tokens": 340, "ignore_eos": True, "temperature": 0.8})
+    assert wait_for(lambda: server.metrics().get('aimo_requests_total{finish_reason="cancelled"}', 0) == before + 2)
+    tokens = server.metrics()["aimo_generation_tokens_total"]
+    assert wait_for(lambda: server.metrics()["aimo_requests_running"] == 0)
+    time.sleep(0.3)
+    assert server.metrics()["aimo_generation_tokens_total"] == tokens  # nothing generates after the cancels
+
+
+def test_503_while_loading_then_ready(tiny_models):
+    """In process: the engine's load waits on an event, so the loading state can be seen and ended."""
+    import httpx2
+    import uvicorn
+
+    from server.embedded.engine import EmbeddedEngine
+    from server.openai.app import create_app
+
+    gate = threading.Event()
+
+    def load():
+        assert gate.wait(60)
+        return EmbeddedEngine.from_dir(tiny_models["llama-tir"], max_batch_size=2, max_seq_len=128, threads=1)
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(create_app(load, "tiny"), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    try:
+        assert wait_for(lambda: srv.started)
+        base = f"http://127.0.0.1:{port}"
+        health = httpx2.get(base + "/health", timeout=5)
+        assert health.status_code == 503 and health.json()["status"] == "loading"
+        c = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.APIStatusError) as e:
+            c.completions.create(model="tiny", prompt="hi", max_tokens=2)
+        assert e.value.status_code == 503 and e.value.code == "engine_loading"
+        gate.set()
+        assert wait_for(lambda: httpx2.get(base + "/health", timeout=5).status_code == 200, 60)
+        assert c.completions.create(model="tiny", prompt="hi", max_tokens=2).usage.completion_tokens >= 1
+    finally:
+        gate.set()
+        srv.should_exit = True
+        thread.join(30)
+    assert not thread.is_alive()
+
+
+def test_an_engine_that_fails_to_load_says_why(tiny_models, tmp_path):
+    import httpx2
+    import uvicorn
+
+    from server.openai.app import create_app
+
+    def load():
+        raise FileNotFoundError("no weights here")
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(create_app(load, "tiny"), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    try:
+        assert wait_for(lambda: srv.started)
+        assert wait_for(lambda: httpx2.get(f"http://127.0.0.1:{port}/health", timeout=5).json()["status"] == "failed")
+        r = httpx2.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "x"}, timeout=5)
+        assert r.status_code == 503 and "no weights here" in r.json()["error"]["message"]
+    finally:
+        srv.should_exit = True
+        thread.join(30)
+
+
+def test_sigterm_drains_running_requests_then_exits_cleanly(server, client, local):
+    """Last in this file: it stops the module's server."""
+    prompt = local.tokenize(local.chat_prompt("Talk for a while."))
+    stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=150, temperature=0.8, stream=True,
+                                       extra_body={"ignore_eos": True, "return_token_ids": True})
+    ids, finish = [], None
+    for ch in stream:
+        if ch.choices:
+            ids += ch.choices[0].model_extra.get("token_ids") or []
+            finish = ch.choices[0].finish_reason or finish
+        if len(ids) == 5:
+            server.proc.send_signal(signal.SIGTERM)
+    assert len(ids) == 150 and finish == "length"  # the running request finished in full
+    assert server.proc.wait(timeout=30) == 0
+    log = server.log.read_text()
+    assert "draining" in log and "[serve] stopped" in log
+    with pytest.raises(openai.APIConnectionError):
+        client.completions.create(model="tiny", prompt="x", max_tokens=2)
