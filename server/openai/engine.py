@@ -318,6 +318,7 @@ class OpenAIEngine(EngineBase):
         s = p.stream
         hashes = prefix_hashes(s.prompt) if len(self.replicas) > 1 else None
         tried: set[int] = set()
+        rep: Optional[Replica] = None
         while not s.done:
             rep = self._pick(hashes, tried)
             if rep is None:
@@ -327,7 +328,12 @@ class OpenAIEngine(EngineBase):
             rep.in_flight += 1
             try:
                 if not rep.probed:
-                    await self._probe(rep)
+                    try:
+                        await self._probe(rep)
+                    except (asyncio.CancelledError, ReplicaFailed):
+                        raise
+                    except Exception as e:  # noqa: BLE001 - unreachable, or not the model asked for
+                        raise ReplicaFailed(f"not usable: {type(e).__name__}: {e}") from None
                 await self._stream_once(rep, p, first=len(tried) == 1)
                 rep.served += 1
             except RequestRejected as e:
@@ -340,8 +346,8 @@ class OpenAIEngine(EngineBase):
                 self._mark_down(rep, msg)
             finally:
                 rep.in_flight -= 1
-        if len(self.replicas) > 1:
-            self._remember(s.prompt + s.generated, rep)  # type: ignore[possibly-undefined]
+        if rep is not None and len(self.replicas) > 1:
+            self._remember(s.prompt + s.generated, rep)
 
     def _body(self, rep: Replica, s: RequestStream) -> dict[str, Any]:
         p = s.params
