@@ -150,6 +150,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--seconds", type=float, default=120.0, help="deadline per problem and variant")
     ap.add_argument("--max-tokens", type=int, default=None, help="cap each sample's tokens (default: the recipe's)")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--url", default="", help="evaluate what OpenAI-compatible server(s) serve (comma-separated "
+                                             "replicas; one variant, 'served') instead of the recipe's variants")
     args = ap.parse_args(argv)
     import os
     import platform
@@ -170,9 +172,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         import dataclasses
 
         serving = dataclasses.replace(serving, sampling=dataclasses.replace(serving.sampling, max_tokens=args.max_tokens))
-    dirs = variant_dirs(recipe)
-    names = [v for v in args.variants.split(",") if v] or list(dirs)
-    missing = [n for n in names if n not in dirs or not (dirs[n] / "config.json").is_file()]
+    dirs = variant_dirs(recipe) if not args.url else {"served": Path(args.url)}
+    names = [v for v in args.variants.split(",") if v] or list(dirs) if not args.url else ["served"]
+    missing = [n for n in names if n not in dirs or not args.url and not (dirs[n] / "config.json").is_file()]
     if missing:
         print(f"eval: variants {missing} not built or unknown (known: {', '.join(dirs)}); run `make engine` first",
               file=sys.stderr)
@@ -187,13 +189,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     with sandbox_for(t) as pool:
         for name in names:
             log(f"[eval] {name}: {dirs[name]}")
-            engine = EmbeddedEngine.from_dir(dirs[name])
+            if args.url:
+                from server.backends import open_for_recipe
+
+                engine = open_for_recipe(recipe, "openai", url=args.url)
+            else:
+                engine = EmbeddedEngine.from_dir(dirs[name])
             try:
                 t0 = time.monotonic()
                 results = asyncio.run(_run_variant(engine, pool, serving, problems, args.k, args.seconds, log))
             finally:
                 engine.shutdown()
-            report["variants"][name] = {"dir": str(dirs[name]), "results": results, "summary": summarize(results, args.k),
+            report["variants"][name] = {"dir": args.url or str(dirs[name]), "results": results, "summary": summarize(results, args.k),
                                         "seconds": round(time.monotonic() - t0, 1)}
             s = report["variants"][name]["summary"]
             log(f"[eval] {name}: maj@{args.k} {s['maj_at_k'][str(args.k)]:.3f}, pass@{args.k} "

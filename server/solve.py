@@ -28,7 +28,7 @@ async def _main(args: argparse.Namespace) -> int:
     out = Path(args.out or f"runs/{recipe.name}/{Path(args.problems).stem}")
     out.mkdir(parents=True, exist_ok=True)
     log(f"[solve] {len(problems)} problems from {args.problems}; loading the {recipe.name} engine")
-    engine = open_for_recipe(recipe, args.backend, args.triton_url)
+    engine = open_for_recipe(recipe, args.backend, args.triton_url, args.url)
     sandbox = sandbox_for(recipe.serving.tool)
     log(f"[solve] sandbox: {sandbox.size} warm workers, isolation {sandbox.mechanism}")
     try:
@@ -59,6 +59,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--backend", default="auto", help=" | ".join(SERVING_BACKENDS) + " (tp > 1: start under mpirun, "
                                                     "see server/trtllm/launch.py)")
     ap.add_argument("--triton-url", default="localhost:8001", help="with --backend triton: the server's gRPC address")
+    ap.add_argument("--url", default="", help="with --backend openai: OpenAI-compatible server(s), comma-separated "
+                                             "(replicas: samples spread over them)")
     ap.add_argument("--samples", type=int, default=None, help="override serving.solver.samples")
     ap.add_argument("--out", default=None, help="output folder (default runs/<model>/<problems file stem>)")
     args = ap.parse_args(argv)

@@ -94,10 +94,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("runs/kaggle"))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--samples", type=int, default=None)
+    ap.add_argument("--url", default="", help="solve through OpenAI-compatible server(s) (comma-separated)")
     args = ap.parse_args(argv)
     from server.kaggle.predict import Predictor
 
-    predictor = Predictor(args.engine, problems=len(read_rows(args.problems)), samples=args.samples)
+    predictor = Predictor(args.engine, problems=len(read_rows(args.problems)), samples=args.samples, url=args.url)
     try:
         run(predictor.predict, args.problems, args.out, args.seed)
     except GatewayError as e:

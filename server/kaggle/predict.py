@@ -34,8 +34,10 @@ class Predictor:
 
     def __init__(self, engine_dir: str | Path, problems: int = 50, answer_range: Optional[int] = None,
                  samples: Optional[int] = None, log: Callable[[str], None] = _log,
-                 engine_factory: Optional[Callable[[], Any]] = None):
-        self.engine_dir = Path(engine_dir)
+                 engine_factory: Optional[Callable[[], Any]] = None, url: str = ""):
+        """`url`: solve through OpenAI-compatible server(s) there (comma-separated replicas; the engine
+        folder still gives the serving section and the tokenizer) instead of opening the engine here."""
+        self.engine_dir, self.url = Path(engine_dir), url
         spec_file = self.engine_dir / "engine.json"
         if not spec_file.is_file():
             raise FileNotFoundError(f"{spec_file}: no engine folder (copy build/embedded/ of `make engine`)")
@@ -53,8 +55,10 @@ class Predictor:
 
     # ---- lazy start
     def _open_engine(self) -> Any:
-        from server.backends import open_engine
+        from server.backends import driver, open_engine
 
+        if self.url:
+            return driver("openai")(self.url, str(self.engine_dir / self.spec.get("model_dir", "model")))
         return open_engine(self.engine_dir)
 
     def _load(self) -> None:
