@@ -32,8 +32,13 @@ TRITON_GRPC_PORT ?= 8001
 TRITON_HTTP_PORT ?= 8000
 TRITON_METRICS_PORT ?= 8002
 TRITON_URL ?= localhost:$(TRITON_GRPC_PORT)
+# The OpenAI-compatible server (`make serve`) and the openai backend (BACKEND=openai URL=host:port[,host2:port])
+HOST ?= 127.0.0.1
+PORT ?= 8000
+URL ?=
+SERVE_ARGS ?=
 
-.PHONY: help setup triton-setup triton kaggle kaggle-trtllm-wheels eval engine sources merge quantize drafter build report check solve test bench clean doctor gpu-smoke trtllm-venv
+.PHONY: help setup triton-setup triton serve kaggle kaggle-trtllm-wheels eval engine sources merge quantize drafter build report check solve test bench clean doctor gpu-smoke trtllm-venv
 
 help:
 	@echo "make setup                 create $(VENV) with the pinned embedded environment"
@@ -43,6 +48,8 @@ help:
 	@echo "make solve MODEL=mix       build if needed, then solve PROBLEMS=$(PROBLEMS) (results table, runs/$(MODEL)/)"
 	@echo "make triton MODEL=mix      serve the embedded engine behind a real Triton server (PyTriton); BACKEND=trtllm: tensorrtllm_backend repo + launch"
 	@echo "make solve BACKEND=triton  solve through a running Triton server (TRITON_URL=$(TRITON_URL))"
+	@echo "make serve MODEL=mix       OpenAI-compatible HTTP server on http://$(HOST):$(PORT)/v1 (BACKEND=auto|embedded|trtllm|triton|openai)"
+	@echo "make solve BACKEND=openai URL=h1:8000,h2:8000   solve through OpenAI-compatible servers (trtllm-serve, vLLM, SGLang, make serve)"
 	@echo "make eval MODEL=mix        K samples per problem for each variant (DATA=, K=, VARIANTS=), report + plots + replay"
 	@echo "make kaggle MODEL=mix      Kaggle dataset folder + notebook ($(OUT)/kaggle), then the notebook run offline with the local gateway"
 	@echo "make doctor MODEL=mix      which backends this machine can use, and why not (TRTLLM_PYTHON=...)"
@@ -105,7 +112,12 @@ build: drafter
 engine: build
 	@$(TB) report
 
-ifeq ($(BACKEND),triton)
+ifeq ($(BACKEND),openai)
+# through running OpenAI-compatible server(s): `make serve` elsewhere, trtllm-serve, vLLM, SGLang (URL=, comma-separated)
+solve: $(SETUP)
+	@test -n "$(URL)" || { echo "make solve BACKEND=openai: set URL=http://host:port[/v1][,http://host2:port]"; exit 2; }
+	$(PY) -m server.solve --recipe $(RECIPE) --problems $(PROBLEMS) --backend openai --url $(URL)
+else ifeq ($(BACKEND),triton)
 # through a running Triton server (`make triton` in another shell); tritonclient lives in the Triton env
 solve: $(TRITON_SETUP)
 	PYTHONPATH=$(CURDIR) $(TRITON_PY) -m server.solve --recipe $(RECIPE) --problems $(PROBLEMS) --backend triton \
@@ -132,6 +144,26 @@ triton: build $(TRITON_SETUP)
 		--grpc-port $(TRITON_GRPC_PORT) --http-port $(TRITON_HTTP_PORT) --metrics-port $(TRITON_METRICS_PORT)
 endif
 
+# The OpenAI-compatible HTTP server over the recipe's engine (foreground; SIGTERM or Ctrl-C drains, then stops).
+# BACKEND=trtllm runs in TensorRT-LLM's environment (under mpirun when tp > 1); BACKEND=triton fronts a
+# running Triton server (TRITON_URL) from the Triton env; BACKEND=openai fans out over other servers (URL=).
+ifeq ($(BACKEND),trtllm)
+serve: build
+	PYTHONPATH=$(CURDIR) $(TRTLLM_PY) -m server.trtllm.launch --recipe $(RECIPE) -- \
+		$(TRTLLM_PY) -m server.openai.serve --recipe $(RECIPE) --backend trtllm --host $(HOST) --port $(PORT) $(SERVE_ARGS)
+else ifeq ($(BACKEND),triton)
+serve: $(TRITON_SETUP)
+	PYTHONPATH=$(CURDIR) $(TRITON_PY) -m server.openai.serve --recipe $(RECIPE) --backend triton --triton-url $(TRITON_URL) \
+		--host $(HOST) --port $(PORT) $(SERVE_ARGS)
+else ifeq ($(BACKEND),openai)
+serve: $(SETUP)
+	@test -n "$(URL)" || { echo "make serve BACKEND=openai: set URL=http://host:port[,http://host2:port]"; exit 2; }
+	$(PY) -m server.openai.serve --recipe $(RECIPE) --backend openai --url $(URL) --host $(HOST) --port $(PORT) $(SERVE_ARGS)
+else
+serve: build
+	$(PY) -m server.openai.serve --recipe $(RECIPE) --backend $(BACKEND) --host $(HOST) --port $(PORT) $(SERVE_ARGS)
+endif
+
 # k samples per problem for several variants side by side (maj@k, pass@k exact), report + plots; then
 # a replay of competition runs from those samples (budget policies x early-stop rules)
 DATA ?= $(PROBLEMS)
@@ -140,7 +172,7 @@ MAX_TOKENS ?= 192
 VARIANTS ?=
 eval: build
 	$(PY) -m server.evaluate --recipe $(RECIPE) --data $(DATA) --k $(K) --max-tokens $(MAX_TOKENS) --seconds 90 \
-		--variants "$(VARIANTS)" --out runs/$(MODEL)/eval
+		--variants "$(VARIANTS)" --out runs/$(MODEL)/eval $(if $(URL),--url $(URL))
 	$(PY) -m server.replay --eval runs/$(MODEL)/eval/eval.json --out runs/$(MODEL)/eval/replay.json
 
 # the Kaggle dataset folder (wheels, engine, problems, notebook); KAGGLE_WHEELS=project ships only our wheel.
@@ -188,6 +220,7 @@ bench: build $(TRITON_SETUP)
 	$(PY) -m server.bench.serving --recipe $(RECIPE) --out bench/serving.json
 	PYTHONPATH=$(CURDIR) $(TRITON_PY) -m server.bench.triton --engine $(OUT)/build/embedded --out bench/triton.json
 	$(PY) -m server.bench.formats --recipe $(RECIPE) --out bench/formats.json
+	$(PY) -m server.bench.openai --engine $(OUT)/build/embedded --out bench/openai.json
 	@$(PY) -m server.bench.report --dir bench
 
 clean:

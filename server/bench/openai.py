@@ -1,0 +1,144 @@
+"""OpenAI-serving overhead: the same load through `make serve` (HTTP, SSE) and on the engine in process.
+
+    python -m server.bench.openai --engine engines/mix/build/embedded --out bench/openai.json
+
+For 1, 4 and 8 concurrent requests of `--tokens` tokens each (end of sequence ignored, seeded
+sampling), median of `--repeats`: aggregate tokens/s, mean per-token latency (time between streamed
+tokens) and time to first token, first on the embedded engine in this process, then through the
+OpenAI-compatible server on the same weights, driven by the `openai` backend (what the solver
+uses: token-id prompts, ids back, one connection pool). The ratios are the price of the HTTP layer,
+client included. Also the server's startup (process start to ready, model load included).
+`--engine` takes an engine folder or an HF checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from server.protocol import Delta, Final, Request, SamplingParams
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+async def load(engine: Any, prompt: list[int], n: int, tokens: int) -> dict[str, float]:
+    gaps: list[float] = []
+    firsts: list[float] = []
+
+    async def one(seed: int) -> int:
+        t0 = last = time.perf_counter()
+        count = 0
+        req = Request(prompt, SamplingParams(temperature=0.7, seed=seed, max_tokens=tokens, ignore_eos=True))
+        async for ev in engine.generate(req):
+            if isinstance(ev, Delta) and ev.token_ids:
+                now = time.perf_counter()
+                if count == 0:
+                    firsts.append(now - t0)
+                else:
+                    gaps.append((now - last) / len(ev.token_ids))
+                last, count = now, count + len(ev.token_ids)
+            elif isinstance(ev, Final):
+                return len(ev.token_ids)
+        return count
+    t = time.perf_counter()
+    counts = await asyncio.gather(*(one(i) for i in range(n)))
+    wall = time.perf_counter() - t
+    return {"tok_s": sum(counts) / wall, "token_ms": statistics.mean(gaps) * 1000, "ttft_ms": statistics.mean(firsts) * 1000}
+
+
+def measure(engine: Any, prompt: list[int], levels: list[int], tokens: int, repeats: int) -> dict[int, dict]:
+    asyncio.run(load(engine, prompt, 2, 8))  # warm-up
+    out = {}
+    for n in levels:
+        runs = [asyncio.run(load(engine, prompt, n, tokens)) for _ in range(repeats)]
+        out[n] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def open_direct(folder: Path) -> Any:
+    from server.backends import driver, open_engine
+
+    return open_engine(folder) if (folder / "engine.json").is_file() else driver("embedded").from_dir(folder)
+
+
+def tokenizer_dir(folder: Path) -> Path:
+    if (folder / "engine.json").is_file():
+        return folder / json.loads((folder / "engine.json").read_text()).get("model_dir", "model")
+    return folder
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m server.bench.openai", description=__doc__.splitlines()[0])
+    ap.add_argument("--engine", required=True, type=Path)
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--levels", default="1,4,8")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    from server.openai.engine import OpenAIEngine
+
+    if not (args.engine / "engine.json").is_file() and not (args.engine / "config.json").is_file():
+        print(f"bench.openai: {args.engine}: no engine folder or HF checkpoint; run `make engine` first", file=sys.stderr)
+        return 2
+    levels = [int(x) for x in args.levels.split(",")]
+    direct = open_direct(args.engine)
+    prompt = direct.tokenize(direct.chat_prompt("What is the sum of the first 20 primes?"))
+    print(f"[bench] the engine in process, {args.tokens} tokens per request, median of {args.repeats}", file=sys.stderr)
+    try:
+        base = measure(direct, prompt, levels, args.tokens, args.repeats)
+    finally:
+        direct.shutdown()
+    port = free_port()
+    t0 = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "server.openai.serve", "--engine", str(args.engine), "--port", str(port)],
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        engine = OpenAIEngine(f"http://127.0.0.1:{port}/v1", str(tokenizer_dir(args.engine)), connect_timeout=300)
+        startup = time.monotonic() - t0
+        print(f"[bench] server ready in {startup:.1f}s: {engine.describe()}", file=sys.stderr)
+        via = measure(engine, prompt, levels, args.tokens, args.repeats)
+        engine.shutdown()
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    rows = [{"concurrent": n, "direct_tok_s": round(base[n]["tok_s"], 1), "http_tok_s": round(via[n]["tok_s"], 1),
+             "throughput_ratio": round(via[n]["tok_s"] / base[n]["tok_s"], 3),
+             "direct_token_ms": round(base[n]["token_ms"], 2), "http_token_ms": round(via[n]["token_ms"], 2),
+             "latency_ratio": round(via[n]["token_ms"] / base[n]["token_ms"], 3),
+             "direct_ttft_ms": round(base[n]["ttft_ms"], 1), "http_ttft_ms": round(via[n]["ttft_ms"], 1)} for n in levels]
+    print(f"make serve (OpenAI HTTP + SSE, driven by the openai backend) vs the engine in process; "
+          f"server startup {startup:.1f}s; {os.cpu_count()} CPU cores")
+    print(f"{'concurrent':>10} {'direct tok/s':>12} {'http tok/s':>10} {'ratio':>6} {'direct ms/tok':>13} "
+          f"{'http ms/tok':>11} {'ratio':>6} {'direct TTFT ms':>14} {'http TTFT ms':>12}")
+    for r in rows:
+        print(f"{r['concurrent']:>10} {r['direct_tok_s']:>12} {r['http_tok_s']:>10} {r['throughput_ratio']:>6} "
+              f"{r['direct_token_ms']:>13} {r['http_token_ms']:>11} {r['latency_ratio']:>6} {r['direct_ttft_ms']:>14} "
+              f"{r['http_ttft_ms']:>12}")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"startup_seconds": round(startup, 2), "tokens": args.tokens, "repeats": args.repeats,
+                                        "engine": str(args.engine), "machine": f"{os.cpu_count()} CPU cores",
+                                        "date": time.strftime("%Y-%m-%d"), "rows": rows}, indent=2))
+        print(f"[bench] wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
