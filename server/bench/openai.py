@@ -71,10 +71,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def open_direct(folder: Path) -> Any:
+def open_direct(folder: Path, threads: Optional[int]) -> Any:
     from server.backends import driver, open_engine
 
-    return open_engine(folder) if (folder / "engine.json").is_file() else driver("embedded").from_dir(folder)
+    kw = {"threads": threads} if threads else {}
+    return open_engine(folder, **kw) if (folder / "engine.json").is_file() else driver("embedded").from_dir(folder, **kw)
 
 
 def tokenizer_dir(folder: Path) -> Path:
@@ -89,6 +90,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--levels", default="1,4,8")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads of both engines (default: the engine's)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     from server.openai.engine import OpenAIEngine
@@ -97,7 +99,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"bench.openai: {args.engine}: no engine folder or HF checkpoint; run `make engine` first", file=sys.stderr)
         return 2
     levels = [int(x) for x in args.levels.split(",")]
-    direct = open_direct(args.engine)
+    direct = open_direct(args.engine, args.threads)
     prompt = direct.tokenize(direct.chat_prompt("What is the sum of the first 20 primes?"))
     print(f"[bench] the engine in process, {args.tokens} tokens per request, median of {args.repeats}", file=sys.stderr)
     try:
@@ -105,8 +107,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     finally:
         direct.shutdown()
     port = free_port()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the server below is killed on the way out
     t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "server.openai.serve", "--engine", str(args.engine), "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "server.openai.serve", "--engine", str(args.engine), "--port", str(port),
+                             *(["--threads", str(args.threads)] if args.threads else [])],
                             env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     try:
@@ -134,6 +138,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"startup_seconds": round(startup, 2), "tokens": args.tokens, "repeats": args.repeats,
+                                        "threads": args.threads,
                                         "engine": str(args.engine), "machine": f"{os.cpu_count()} CPU cores",
                                         "date": time.strftime("%Y-%m-%d"), "rows": rows}, indent=2))
         print(f"[bench] wrote {args.out}", file=sys.stderr)

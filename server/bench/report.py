@@ -3,7 +3,7 @@
     python -m server.bench.report --dir bench   ->  bench/summary.md, bench/summary.json
 
 Reads what the benchmarks of one `make bench` run wrote (sandbox.json, serving.json, triton.json,
-formats.json; gpu.json when `python -m server.bench.gpu` ran on a GPU host) and lists each figure
+openai.json, formats.json; gpu.json when `python -m server.bench.gpu` ran on a GPU host) and lists each figure
 with the ratio it is about, so one file says what this machine does today.
 """
 
@@ -41,6 +41,12 @@ def rows(d: Path) -> list[tuple[str, str, str, str]]:
         for r in s["rows"]:
             out.append(("triton", f"{r['concurrent']} concurrent, through Triton", f"{r['triton_tok_s']:.1f} tok/s",
                         f"{r['throughput_ratio']:.2f}x direct; {r['latency_ratio']:.2f}x per-token latency"))
+    if (s := load("openai.json")):
+        out.append(("openai", "make serve startup (process start to ready)", f"{s['startup_seconds']:.1f} s", ""))
+        for r in s["rows"]:
+            out.append(("openai", f"{r['concurrent']} concurrent, through make serve", f"{r['http_tok_s']:.1f} tok/s",
+                        f"{r['throughput_ratio']:.2f}x direct; {r['latency_ratio']:.2f}x per-token latency; TTFT "
+                        f"{r['http_ttft_ms']:.0f} vs {r['direct_ttft_ms']:.0f} ms"))
     if (s := load("formats.json")):
         for r in s["rows"]:
             out.append(("formats", f"{r['format']}, {s['concurrent']} concurrent", f"{r['tok_s']:.1f} tok/s",

@@ -2,8 +2,9 @@
 
     engine = OpenAIEngine("http://gpu0:8000/v1,http://gpu1:8000/v1", tokenizer_dir="engines/mix/build/embedded/model")
 
-Every request is a streamed `POST /v1/completions` on one connection pool (httpx2, owned by a
-thread of its own with its own event loop, so the pool outlives any caller's `asyncio.run`). As on
+Every request is a streamed `POST /v1/completions` on one connection pool (httpx2) per event
+loop, running in the caller's loop: no thread hop per token (measured: handing each token from a
+client thread to the caller's loop cost more than the HTTP itself). As on
 every backend, the text comes from the token ids through `server.stream` and stop strings are
 matched here: they are never sent to the server, and a match (like `cancel` or the deadline) ends
 the request by closing its stream, which an OpenAI-compatible server takes as a cancel.
@@ -29,6 +30,7 @@ import json
 import os
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
@@ -112,6 +114,7 @@ class Replica:
 @dataclass
 class _Pending:
     stream: RequestStream
+    loop: asyncio.AbstractEventLoop
     task: Optional[asyncio.Task] = None
     end_reason: str = "cancelled"
     errors: list[str] = field(default_factory=list)
@@ -121,7 +124,7 @@ class OpenAIEngine(EngineBase):
     name = "openai"
 
     def __init__(self, urls: str | Sequence[str], tokenizer_dir: str, model: Optional[str] = None,
-                 api_key: Optional[str] = None, connect_timeout: float = 30.0, token_ids: str = "auto",
+                 api_key: Optional[str] = None, connect_timeout: float = 60.0, token_ids: str = "auto",
                  max_connections: int = 1024):
         """`token_ids`: auto (probe each replica) | off (always text). `model`: the served model's
         name (default: the first one each server lists)."""
@@ -137,48 +140,68 @@ class OpenAIEngine(EngineBase):
         self._affinity: OrderedDict[tuple[int, int], Replica] = OrderedDict()
         self._lengths: dict[int, int] = {}  # history length -> entries of that length in _affinity
         self._closed = False
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="openai-client", daemon=True)
-        self._thread.start()
-        try:
-            asyncio.run_coroutine_threadsafe(self._start(), self._loop).result()
-        except BaseException:
-            self.shutdown()
-            raise
+        self._ssl: Any = None
+        self._clients: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any]" = weakref.WeakKeyDictionary()
+        failed: list[BaseException] = []
+
+        def connect() -> None:  # a loop of its own: the caller may or may not be inside one
+            try:
+                asyncio.run(self._connect())
+            except BaseException as e:  # noqa: BLE001 - re-raised below
+                failed.append(e)
+        t = threading.Thread(target=connect, name="openai-connect")
+        t.start()
+        t.join()
+        if failed:
+            raise failed[0]
 
     @property
     def ready(self) -> bool:
         now = time.monotonic()
         return not self._closed and any(r.probed and r.up(now) for r in self.replicas)
 
-    # ---- the engine thread's side
-    async def _start(self) -> None:
+    # ---- connections
+    def _new_client(self) -> Any:
         import httpx2 as httpx
 
-        self._client = httpx.AsyncClient(
-            timeout=httpx.Timeout(connect=10.0, read=None, write=60.0, pool=None),
-            limits=httpx.Limits(max_connections=self._max_connections, max_keepalive_connections=256))
-        deadline = time.monotonic() + self.connect_timeout
-        while True:
-            await asyncio.gather(*(self._probe_safely(r) for r in self.replicas if not r.probed))
-            if any(r.probed for r in self.replicas):
-                return
-            if time.monotonic() > deadline:
-                raise ConnectionError(f"openai backend: no server ready after {self.connect_timeout:.0f}s: "
-                                      + "; ".join(f"{r.url}: {r.last_error}" for r in self.replicas))
-            await asyncio.sleep(0.25)
+        if self._ssl is None:  # built once: loading the trust store costs ~35 ms, too much for every loop
+            import ssl
 
-    async def _probe_safely(self, rep: Replica) -> None:
+            self._ssl = ssl.create_default_context()
+        return httpx.AsyncClient(timeout=httpx.Timeout(connect=10.0, read=None, write=60.0, pool=None), verify=self._ssl,
+                                 limits=httpx.Limits(max_connections=self._max_connections, max_keepalive_connections=256))
+
+    def _client(self) -> Any:
+        """The running loop's pool (made on first use; it goes with its loop)."""
+        loop = asyncio.get_running_loop()
+        client = self._clients.get(loop)
+        if client is None:
+            client = self._clients[loop] = self._new_client()
+        return client
+
+    async def _connect(self) -> None:
+        async with self._new_client() as client:
+            deadline = time.monotonic() + self.connect_timeout
+            while True:
+                await asyncio.gather(*(self._probe_safely(r, client) for r in self.replicas if not r.probed))
+                if any(r.probed for r in self.replicas):
+                    return
+                if time.monotonic() > deadline:
+                    raise ConnectionError(f"openai backend: no server ready after {self.connect_timeout:.0f}s: "
+                                          + "; ".join(f"{r.url}: {r.last_error}" for r in self.replicas))
+                await asyncio.sleep(0.25)
+
+    async def _probe_safely(self, rep: Replica, client: Any) -> None:
         try:
-            await self._probe(rep)
+            await self._probe(rep, client)
         except (ReplicaFailed, RequestRejected) as e:
             self._mark_down(rep, str(e))
         except Exception as e:  # noqa: BLE001 - httpx transport errors: not up (yet)
             self._mark_down(rep, f"{type(e).__name__}: {e}")
 
-    async def _probe(self, rep: Replica) -> None:
+    async def _probe(self, rep: Replica, client: Any) -> None:
         """The served model's name, and how this server takes prompts and returns ids (see the module doc)."""
-        r = await self._client.get(rep.url + "/models", headers=self._headers, timeout=10)
+        r = await client.get(rep.url + "/models", headers=self._headers, timeout=10)
         if r.status_code != 200:
             raise ReplicaFailed(f"GET /v1/models: HTTP {r.status_code}: {error_message(r.content)}")
         models = [m.get("id") for m in (r.json().get("data") or []) if isinstance(m, dict)]
@@ -193,7 +216,7 @@ class OpenAIEngine(EngineBase):
             base = {"model": rep.model, "prompt": ids, "max_tokens": 1, "temperature": 0.0}
             for mode, extra in (("return_token_ids", {"return_token_ids": True}), ("detokenize", {"detokenize": False}),
                                 ("", {})):
-                resp = await self._client.post(rep.url + "/completions", json={**base, **extra}, headers=self._headers,
+                resp = await client.post(rep.url + "/completions", json={**base, **extra}, headers=self._headers,
                                                timeout=60)
                 if resp.status_code >= 500:
                     raise ReplicaFailed(f"POST /v1/completions: HTTP {resp.status_code}: {error_message(resp.content)}")
@@ -245,50 +268,55 @@ class OpenAIEngine(EngineBase):
 
     # ---- the driver (generate, tokenize, detokenize, chat_prompt: EngineBase)
     def _submit(self, stream: RequestStream) -> None:
+        """Called by `generate` inside the caller's loop: the request runs there as a task."""
         if self._closed:
             stream.finish("error", "openai engine closed")
             return
-        self._loop.call_soon_threadsafe(self._start_request, stream)
+        p = _Pending(stream, stream.loop)
+        self._pending[stream.request_id] = p
+        p.task = stream.loop.create_task(self._run(p))
+        p.task.add_done_callback(lambda t: self._ended(p, t))
 
     def cancel(self, request_id: str) -> None:
-        if not self._closed:
-            self._loop.call_soon_threadsafe(self._cancel_request, request_id, "cancelled")
+        p = self._pending.get(request_id)
+        if p is not None:
+            self._cancel_soon(p, "cancelled")
+
+    def _cancel_soon(self, p: _Pending, reason: str) -> None:
+        try:
+            p.loop.call_soon_threadsafe(self._cancel_request, p, reason)
+        except RuntimeError:  # its loop is closed: nobody waits for it any more
+            pass
+
+    def _cancel_request(self, p: _Pending, reason: str) -> None:
+        if not p.stream.done and p.task is not None:
+            p.end_reason = reason
+            p.task.cancel()
 
     def shutdown(self) -> None:
+        """End every request (error: engine closed); a pool whose loop still runs is closed there."""
         if self._closed:
             return
         self._closed = True
-        if self._loop.is_running():
-            try:
-                asyncio.run_coroutine_threadsafe(self._stop(), self._loop).result(timeout=30)
-            except Exception:  # noqa: BLE001 - closing a broken pool
-                pass
-            self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=30)
-        if not self._loop.is_running():
-            self._loop.close()
+        for p in list(self._pending.values()):
+            self._cancel_soon(p, "error")
+        for loop, client in list(self._clients.items()):
+            if loop.is_running():
+                try:
+                    loop.call_soon_threadsafe(lambda c=client, lp=loop: lp.create_task(c.aclose()))
+                except RuntimeError:
+                    pass
+        self._clients.clear()
 
-    async def _stop(self) -> None:
-        for rid in list(self._pending):
-            self._cancel_request(rid, "error")
-        tasks = [p.task for p in self._pending.values() if p.task is not None]
-        if tasks:
-            await asyncio.wait(tasks, timeout=10)
-        client = getattr(self, "_client", None)
+    async def close(self) -> None:
+        loop = asyncio.get_running_loop()
+        client = self._clients.pop(loop, None)
+        mine = [p.task for p in self._pending.values() if p.loop is loop and p.task is not None]
+        self.shutdown()
+        if mine:
+            await asyncio.wait(mine, timeout=10)
         if client is not None:
             await client.aclose()
-
-    def _start_request(self, stream: RequestStream) -> None:
-        p = _Pending(stream)
-        self._pending[stream.request_id] = p
-        p.task = self._loop.create_task(self._run(p))
-        p.task.add_done_callback(lambda t: self._ended(p, t))
-
-    def _cancel_request(self, request_id: str, reason: str) -> None:
-        p = self._pending.get(request_id)
-        if p is not None and not p.stream.done and p.task is not None:
-            p.end_reason = reason
-            p.task.cancel()
 
     def _ended(self, p: _Pending, task: asyncio.Task) -> None:
         """Whatever happened, the request ends exactly once (a task cancelled before it ran included)."""
@@ -307,7 +335,7 @@ class OpenAIEngine(EngineBase):
             if deadline is None:
                 await self._generate(p)
             else:
-                async with asyncio.timeout_at(self._loop.time() + (deadline - time.monotonic())):
+                async with asyncio.timeout_at(p.loop.time() + (deadline - time.monotonic())):
                     await self._generate(p)
         except TimeoutError:
             s.finish("timeout")
@@ -329,7 +357,7 @@ class OpenAIEngine(EngineBase):
             try:
                 if not rep.probed:
                     try:
-                        await self._probe(rep)
+                        await self._probe(rep, self._client())
                     except (asyncio.CancelledError, ReplicaFailed):
                         raise
                     except Exception as e:  # noqa: BLE001 - unreachable, or not the model asked for
@@ -378,34 +406,41 @@ class OpenAIEngine(EngineBase):
             s.finish("length")
             return
         finish: Optional[str] = None
-        async with self._client.stream("POST", rep.url + "/completions", json=self._body(rep, s),
-                                       headers=self._headers) as r:
+        async with self._client().stream("POST", rep.url + "/completions", json=self._body(rep, s),
+                                         headers=self._headers) as r:
             if r.status_code != 200:
                 msg = f"HTTP {r.status_code}: {error_message(await r.aread())}"
                 if r.status_code in (408, 429) or r.status_code >= 500:
                     raise ReplicaFailed(msg)
                 raise RequestRejected(msg)
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                obj = json.loads(data)
-                if "error" in obj:
-                    s.finish("error", f"{rep.url}: {error_message(data)}")
-                    return
-                usage = obj.get("usage")
-                if first and usage:
-                    s.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-                for c in obj.get("choices") or ():
-                    ids = c.get("token_ids") if rep.ids_out else None
-                    if ids is None:
-                        text = c.get("text") or ""
-                        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
-                    if ids and self._push(s, ids, self._logprobs(c.get("logprobs"), s.params.top_logprobs)):
+            rest = b""
+            async for chunk in r.aiter_bytes():  # server-sent events, split here (cheaper than line iterators)
+                lines = (rest + chunk).split(b"\n")
+                rest = lines.pop()
+                for line in lines:
+                    if not line.startswith(b"data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        break
+                    obj = json.loads(data)
+                    if "error" in obj:
+                        s.finish("error", f"{rep.url}: {error_message(data)}")
                         return
-                    finish = c.get("finish_reason") or finish
+                    usage = obj.get("usage")
+                    if first and usage:
+                        s.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+                    for c in obj.get("choices") or ():
+                        ids = c.get("token_ids") if rep.ids_out else None
+                        if ids is None:
+                            text = c.get("text") or ""
+                            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+                        if ids and self._push(s, ids, self._logprobs(c.get("logprobs"), s.params.top_logprobs)):
+                            return
+                        finish = c.get("finish_reason") or finish
+                else:
+                    continue
+                break
         if finish is None:
             raise ReplicaFailed("the stream ended before the request finished")
         s.finish("length" if finish == "length" else "stop" if finish == "stop" else "error",
