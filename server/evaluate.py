@@ -192,7 +192,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             if args.url:
                 from server.backends import open_for_recipe
 
-                engine = open_for_recipe(recipe, "openai", url=args.url)
+                try:
+                    engine = open_for_recipe(recipe, "openai", url=args.url)
+                except (FileNotFoundError, ConnectionError, ValueError) as e:
+                    print(f"eval: {e}", file=sys.stderr)
+                    return 2
             else:
                 engine = EmbeddedEngine.from_dir(dirs[name])
             try:
