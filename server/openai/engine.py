@@ -111,6 +111,15 @@ class Replica:
         return f"{self.url} (model {self.model!r}; prompt as {'token ids' if self.ids_in else 'text'}; {ids})"
 
 
+class _SameLoop:
+    """The streams' outbox: this driver runs in its caller's loop, so an event goes straight into the
+    caller's queue (no self-pipe wake-up per token)."""
+
+    @staticmethod
+    def put(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, event: Any) -> None:
+        queue.put_nowait(event)
+
+
 @dataclass
 class _Pending:
     stream: RequestStream
@@ -122,6 +131,7 @@ class _Pending:
 
 class OpenAIEngine(EngineBase):
     name = "openai"
+    _outbox = _SameLoop()  # type: ignore[assignment]
 
     def __init__(self, urls: str | Sequence[str], tokenizer_dir: str, model: Optional[str] = None,
                  api_key: Optional[str] = None, connect_timeout: float = 60.0, token_ids: str = "auto",
