@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from server.embedded.qlinear import Int8WeightOnlyLinear
-from server.embedded.runner import SUPPORTED
+from server.embedded.runner import SUPPORTED, copy_prefix, swap_prefix
 
 MIN_CONTEXT_BUCKET = 256
 
@@ -211,21 +211,11 @@ class GraphRunner:
         if length > self.max_seq_len:
             raise ValueError(f"sequence of {length} tokens exceeds the engine's max_seq_len {self.max_seq_len}")
 
-    @torch.inference_mode()
     def copy(self, src: int, dst: int, length: int) -> None:
-        if length <= 0 or src == dst:
-            return
-        for t in (*self.k, *self.v):
-            t[dst, :, :length] = t[src, :, :length]
+        copy_prefix((*self.k, *self.v), src, dst, length)
 
-    @torch.inference_mode()
     def swap(self, a: int, b: int, length: int) -> None:
-        if length <= 0 or a == b:
-            return
-        for t in (*self.k, *self.v):
-            tmp = t[a, :, :length].clone()
-            t[a, :, :length] = t[b, :, :length]
-            t[b, :, :length] = tmp
+        swap_prefix((*self.k, *self.v), a, b, length)
 
     # ---- forward pieces
     def _logits(self, h: torch.Tensor) -> torch.Tensor:

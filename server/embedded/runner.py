@@ -26,6 +26,26 @@ import torch.nn.functional as F
 SUPPORTED = ("llama", "qwen2", "mistral")
 
 
+@torch.inference_mode()
+def copy_prefix(caches: tuple[torch.Tensor, ...], src: int, dst: int, length: int) -> None:
+    """Slot dst's first `length` positions := slot src's, in every [slots, heads, positions, dim] cache."""
+    if length <= 0 or src == dst:
+        return
+    for t in caches:
+        t[dst, :, :length] = t[src, :, :length]
+
+
+@torch.inference_mode()
+def swap_prefix(caches: tuple[torch.Tensor, ...], a: int, b: int, length: int) -> None:
+    """Exchange the first `length` positions of two slots in every cache."""
+    if length <= 0 or a == b:
+        return
+    for t in caches:
+        tmp = t[a, :, :length].clone()
+        t[a, :, :length] = t[b, :, :length]
+        t[b, :, :length] = tmp
+
+
 class SlotRunner:
     def __init__(self, model: Any, num_slots: int, max_seq_len: int, initial_capacity: int = 256):
         cfg = model.config
@@ -69,23 +89,11 @@ class SlotRunner:
         self.v = [F.pad(t, (0, 0, 0, pad)) for t in self.v]
         self.capacity = new
 
-    @torch.inference_mode()
     def copy(self, src: int, dst: int, length: int) -> None:
-        """Slot dst's first `length` positions := slot src's."""
-        if length <= 0 or src == dst:
-            return
-        for t in (*self.k, *self.v):
-            t[dst, :, :length] = t[src, :, :length]
+        copy_prefix((*self.k, *self.v), src, dst, length)
 
-    @torch.inference_mode()
     def swap(self, a: int, b: int, length: int) -> None:
-        """Exchange the first `length` positions of two slots."""
-        if length <= 0 or a == b:
-            return
-        for t in (*self.k, *self.v):
-            tmp = t[a, :, :length].clone()
-            t[a, :, :length] = t[b, :, :length]
-            t[b, :, :length] = tmp
+        swap_prefix((*self.k, *self.v), a, b, length)
 
     # ---- forward
     def _attention_layer(self, i: int, layer: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
