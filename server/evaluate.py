@@ -206,6 +206,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                 engine.shutdown()
             report["variants"][name] = {"dir": args.url or str(dirs[name]), "results": results, "summary": summarize(results, args.k),
                                         "seconds": round(time.monotonic() - t0, 1)}
+            stats = getattr(engine, "stats", None)
+            spec = stats.speculative() if stats is not None and hasattr(stats, "speculative") else None
+            if spec:
+                report["variants"][name]["speculative"] = spec
+                log(f"[eval] {name}: speculative decoding {spec['tokens_per_step']:.2f} tokens per step, "
+                    f"{100 * spec['acceptance']:.0f}% of drafts accepted")
             s = report["variants"][name]["summary"]
             log(f"[eval] {name}: maj@{args.k} {s['maj_at_k'][str(args.k)]:.3f}, pass@{args.k} "
                 f"{s['pass_at_k'][str(args.k)]:.3f}, {s['reply_tokens_mean']} tokens, "

@@ -80,6 +80,8 @@ class Final:
     cached_tokens: int = 0  # prompt tokens served from a reused KV prefix
     queue_seconds: float = 0.0  # submitted -> first scheduled
     seconds: float = 0.0  # submitted -> final
+    draft_tokens: int = 0  # speculative decoding: tokens the drafter proposed for this request
+    accepted_draft_tokens: int = 0  # ... and those the target kept (each step also adds one of its own)
 
 
 Event = Union[Delta, Final]

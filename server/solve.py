@@ -42,6 +42,12 @@ async def _main(args: argparse.Namespace) -> int:
         await engine.close()
     print(report.table())
     summary = report.summary()
+    spec = stats.speculative() if stats is not None and hasattr(stats, "speculative") else None
+    if spec:
+        summary["speculative"] = spec
+        log(f"[solve] speculative decoding: {spec['accepted_draft_tokens']}/{spec['draft_tokens']} drafts accepted "
+            f"({100 * spec['acceptance']:.0f}%), {spec['tokens_per_step']:.2f} tokens per sequence per step "
+            f"({spec['drafting_steps']} of {spec['steps']} steps drafted)")
     summary["results"] = [{"id": r.problem_id, "answer": r.answer, "expected": r.expected, "correct": r.correct,
                            "votes": {str(k): v for k, v in r.votes.items()}, "seconds": r.seconds,
                            "finished": r.finished, "cancelled": r.cancelled, "code_calls": r.code_calls,

@@ -70,6 +70,8 @@ class RequestStream:
         self.submitted = time.monotonic()
         self.scheduled: Optional[float] = None  # first scheduled (or first token, where the driver cannot tell)
         self.cached_tokens = 0
+        self.draft_tokens = 0  # speculative decoding (drivers that draft set these)
+        self.accepted_draft_tokens = 0
         self.stop_string: Optional[str] = None  # the stop string matched, once `push` found one
         self.overhang = ""
         self.done = False
@@ -128,7 +130,8 @@ class RequestStream:
             request_id=self.request_id, finish_reason=reason, text="".join(self.text),
             token_ids=tuple(self.generated), prompt_tokens=len(self.prompt), stop_string=self.stop_string,
             overhang=self.overhang, error=error, cached_tokens=self.cached_tokens,
-            queue_seconds=(self.scheduled or now) - self.submitted, seconds=now - self.submitted))
+            queue_seconds=(self.scheduled or now) - self.submitted, seconds=now - self.submitted,
+            draft_tokens=self.draft_tokens, accepted_draft_tokens=self.accepted_draft_tokens))
         return True
 
     async def events(self, cancel: Any) -> AsyncIterator[Event]:

@@ -11,7 +11,7 @@ import torch
 from trtbuild.drafter import acceptance
 from trtbuild.drafter import train as dtrain
 from trtbuild.drafter.data import Sequence
-from trtbuild.drafter.model import DrafterConfig, ReDrafter
+from server.embedded.redrafter import DrafterConfig, ReDrafter
 
 # The tensor names examples/redrafter/convert_checkpoint.py (TensorRT-LLM 1.2.x) reads from the drafter
 # folder, for 2 residual blocks: input_proj only when exit_dim != 2 * hidden_size.
@@ -172,8 +172,26 @@ def test_drafter_stage_in_make_engine(tiny_models, tmp_path, capfd):
     assert 1.0 <= acc["tokens_per_step"] <= 3.0 and len(acc["acceptance_at_position"]) == 2
     assert m["data"]["train_samples"] == 4 and m["data"]["heldout_samples"] == 2
     assert m["training"]["steps"] == 6 and m["config"]["trained_draft_len"] == 2
-    spec = json.loads((recipe.out_dir / "build" / "embedded" / "engine.json").read_text())
-    assert spec["drafter"]["kind"] == "redrafter"
+    built = recipe.out_dir / "build" / "embedded"
+    spec = json.loads((built / "engine.json").read_text())
+    assert spec["drafter"]["kind"] == "redrafter" and spec["drafter_dir"] == "drafter"
+    assert (built / "drafter" / "model.safetensors").read_bytes() == (out / "model" / "model.safetensors").read_bytes()
+    # the folder serves with its drafter (2 beams x 2: the best beam is verified), tokens as without it
+    import asyncio
+
+    from server.embedded.engine import EmbeddedEngine
+    from server.protocol import Request, SamplingParams, collect
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=16)
+    finals = {}
+    for mode in ("on", "off"):
+        eng = EmbeddedEngine.from_dir(built, speculative=mode, device="cpu")
+        try:
+            assert (eng.spec is not None) == (mode == "on")
+            finals[mode] = asyncio.run(collect(eng, Request(eng.chat_prompt("What is 2 + 3?"), greedy)))[1]
+        finally:
+            eng.shutdown()
+    assert finals["on"].token_ids == finals["off"].token_ids and finals["on"].draft_tokens > 0
     capfd.readouterr()
     assert main(["drafter", "--recipe", str(path)]) == 0
     assert "up to date" in capfd.readouterr().err

@@ -55,6 +55,10 @@ def _error(tmp_path: Path, mutate) -> str:
     (lambda d: d.pop("merge"), "merge", "missing required key"),
     (lambda d: d["serving"]["sampling"].update(top_p=0), "serving.sampling.top_p", "0"),
     (lambda d: d["serving"]["code_tags"].update(code_end=""), "serving.code_tags.code_end", "''"),
+    (lambda d: d["serving"].update(speculative={"enabled": "yes"}), "serving.speculative.enabled", "'yes'"),
+    (lambda d: d["serving"].update(speculative={"max_batch": -1}), "serving.speculative.max_batch", "-1"),
+    (lambda d: (d["drafter"].update(kind="none"), d["serving"].update(speculative={"enabled": "on"})),
+     "serving.speculative.enabled", "'on'"),
 ])
 def test_bad_recipe_names_file_key_and_value(tmp_path, mutate, key, value):
     msg = _error(tmp_path, mutate)

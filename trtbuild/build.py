@@ -1,7 +1,8 @@
 """Stage `build`: turn the chosen weights into an engine folder for one backend.
 
-- embedded: a portable folder (`engine.json` + `model/` weights and tokenizer) that the embedded
-  runtime serves on any machine, CPU included.
+- embedded: a portable folder (`engine.json` + `model/` weights and tokenizer, and `drafter/`, the
+  ReDrafter head it drafts with, when the recipe has one) that the embedded runtime serves on any
+  machine, CPU included.
 - trtllm: checkpoint -> (ReDrafter) -> `trtllm-build` in TensorRT-LLM 1.2.x's environment
   (`trtbuild/trtllm/build.py`), after preflight checks that need no GPU work.
 Outputs go to `build/<backend>/`, so both can coexist.
@@ -20,7 +21,7 @@ from trtbuild import stages
 from trtbuild.core.layout import ENGINE_FILE
 from trtbuild.core.recipe import Recipe
 
-VERSION = 1  # bump when the output of this stage changes for the same inputs
+VERSION = 2  # bump when the output of this stage changes for the same inputs (2: embedded folders carry drafter/)
 STAGE = "build"
 
 
@@ -37,10 +38,11 @@ def fingerprint(recipe: Recipe, backend: str) -> str:
                            "version": VERSION})
 
 
-def engine_config(recipe: Recipe, backend: str) -> dict[str, Any]:
+def engine_config(recipe: Recipe, backend: str, drafter_folder: str | None = None) -> dict[str, Any]:
     """What a runtime needs to serve the folder, without reading the recipe again."""
     b = recipe.build
     return {
+        **({"drafter_dir": drafter_folder} if drafter_folder else {}),
         "format_version": 1,
         "model": recipe.name,
         "backend": backend,
@@ -57,6 +59,8 @@ def engine_config(recipe: Recipe, backend: str) -> dict[str, Any]:
 def run(recipe: Recipe, backend: str = "auto", trtllm_env: Any = None, runner: Any = None) -> Path:
     """Build for `backend`. `trtllm_env` and `runner` replace the probed TensorRT-LLM environment and
     the subprocess runner (the contract tests use them)."""
+    from trtbuild.trtllm.preflight import drafter_dir
+
     requested = backend if backend != "auto" else recipe.build.backend
     chosen = "trtllm" if trtllm_env is not None and requested in ("auto", "trtllm") else backends.resolve(requested)
     layout = recipe.layout
@@ -82,14 +86,21 @@ def run(recipe: Recipe, backend: str = "auto", trtllm_env: Any = None, runner: A
 
     def make(tmp: Path) -> dict[str, Any]:
         extra: dict[str, Any] = {}
+        drafter_rel = None
         if chosen == "embedded":
             shutil.copytree(src, tmp / "model", ignore=shutil.ignore_patterns(mf.MANIFEST))
+            drafter = drafter_dir(recipe)
+            if drafter is not None:  # the head the embedded engine drafts with (speculative decoding)
+                if not (drafter / "model.safetensors").is_file():
+                    raise FileNotFoundError(f"build: no drafter at {drafter}: run `make drafter` first")
+                shutil.copytree(drafter, tmp / "drafter", ignore=shutil.ignore_patterns(mf.MANIFEST))
+                drafter_rel = "drafter"
         else:
             (tmp / "engine").mkdir()
             extra["steps"] = tb.run_steps(steps or [], tmp / "engine", runner or tb.run_subprocess)
             # the tokenizer (and HF config) the runtime detokenizes with; weights live in the engine
             shutil.copytree(src, tmp / "model", ignore=shutil.ignore_patterns("*.safetensors", mf.MANIFEST))
-        (tmp / ENGINE_FILE).write_text(json.dumps(engine_config(recipe, chosen), indent=2) + "\n")
+        (tmp / ENGINE_FILE).write_text(json.dumps(engine_config(recipe, chosen, drafter_rel), indent=2) + "\n")
         return dict(backend=chosen, weights=str(src), quantization=recipe.build.quantization,
                     files=mf.hash_tree(tmp), **extra)
 

@@ -54,7 +54,7 @@ STAGES: tuple[Stage, ...] = (
     Stage("quantize", "trtbuild.quantize", ("trtbuild/quantize.py", "trtbuild/quality.py", "server/embedded/loader.py",
                                             "server/embedded/qlinear.py")),
     Stage("drafter", "trtbuild.drafter.stage", ("trtbuild/drafter/stage.py", "trtbuild/drafter/data.py",
-                                                "trtbuild/drafter/model.py", "trtbuild/drafter/train.py",
+                                                "server/embedded/redrafter.py", "trtbuild/drafter/train.py",
                                                 "trtbuild/drafter/acceptance.py")),
     Stage("build", "trtbuild.build", ("trtbuild/build.py", "trtbuild/trtllm/build.py", "trtbuild/trtllm/convert.py",
                                       "trtbuild/trtllm/preflight.py")),

@@ -10,6 +10,12 @@ its inbox, admits waiting requests into free slots (prefill), runs one decode st
 sequence, and streams the new tokens to each request's asyncio queue. Sequences join and leave at
 token granularity; a finished or cancelled one gives its slot back before the next step.
 
+Speculative decoding (`speculative.py`): with a ReDrafter head (an engine folder's `drafter/`), each
+step drafts L tokens per running sequence and the target verifies all of them for every sequence in
+one forward; each sequence keeps its accepted drafts plus one token of the target's, exactly
+distributed as without the drafter. Above `max_batch` running sequences (per device, measured) the
+step decodes one token per sequence instead; both kinds of step keep the drafter's input current.
+
 Prefix reuse: a slot keeps its KV after its request ends. A new request starts from the longest
 common token prefix found in any slot: a finished one is taken over (the next turn of a TIR sample
 continues from its own history without re-reading it), a running one is copied (samples of one
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import os
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,11 +37,34 @@ import torch
 
 from server.embedded.runner import SlotRunner
 from server.embedded.sampler import make_generator, sample, sample_device
+from server.embedded.speculative import DEFAULT_MAX_BATCH, SpecConfig, accept_device, accept_host, top_logprobs
 from server.protocol import Request, SamplingParams
 from server.stream import EngineBase, Outbox, RequestStream
 
 
 DEVICE_ENV = "EMBEDDED_DEVICE"  # overrides the engine folder's serving.device for one command
+SPECULATIVE_ENV = "EMBEDDED_SPECULATIVE"  # auto|on|off: overrides serving.speculative.enabled for one command
+
+
+def speculation(engine_dir: Path, spec: dict[str, Any], override: Optional[str] = None,
+                max_batch: Optional[int] = None) -> dict[str, Any]:
+    """EmbeddedEngine keywords (drafter, speculative) for an engine folder: on when it has a drafter,
+    unless serving.speculative (or the override) says off; 'on' without a drafter is an error."""
+    cfg = (spec.get("serving") or {}).get("speculative") or {}
+    mode = override or os.environ.get(SPECULATIVE_ENV) or cfg.get("enabled", "auto")
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"speculative: {mode!r} is not auto, on or off")
+    rel = spec.get("drafter_dir")
+    if mode == "off" or (rel is None and mode == "auto"):
+        return {}
+    if rel is None:
+        raise ValueError(f"{engine_dir / 'engine.json'}: speculative decoding is on but the engine has no drafter "
+                         "(drafter.kind: redrafter in the recipe, then make build)")
+    drafter = spec.get("drafter") or {}
+    return {"drafter": engine_dir / rel,
+            "speculative": SpecConfig(draft_len=int(drafter.get("draft_len_per_beam", 3)),
+                                      num_beams=int(drafter.get("num_beams", 1)),
+                                      max_batch=int(max_batch if max_batch is not None else cfg.get("max_batch", 0)))}
 
 
 def resolve_device(device: str) -> torch.device:
@@ -63,6 +93,7 @@ class _Seq:
     kv_len: int = 0  # tokens whose KV is in the slot
     pending: Optional[int] = None  # sampled, not yet in the cache
     max_new: int = 0
+    hidden: Optional[torch.Tensor] = None  # the target's normed hidden state that produced `pending` (drafting)
 
     @property
     def req(self) -> Request:
@@ -96,6 +127,26 @@ class EngineStats:
     busy_seconds: float = 0.0  # scheduler iterations with work, all included
     requests: int = 0
     batch_sizes: list[int] = field(default_factory=list)
+    spec_steps: int = 0  # steps that drafted (speculative decoding)
+    spec_rows: int = 0  # sequences in those steps, summed
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+    draft_seconds: float = 0.0  # the drafter's share of forward_seconds
+
+    @property
+    def tokens_per_spec_step(self) -> float:
+        """Tokens a sequence gains per drafting step: 1 + accepted drafts (what the drafter buys)."""
+        return 1.0 + self.accepted_draft_tokens / self.spec_rows if self.spec_rows else 0.0
+
+    def speculative(self) -> Optional[dict[str, Any]]:
+        """What speculative decoding did (None when it never drafted): for solve/eval/bench reports."""
+        if not self.spec_steps:
+            return None
+        return {"drafting_steps": self.spec_steps, "steps": self.steps, "draft_tokens": self.draft_tokens,
+                "accepted_draft_tokens": self.accepted_draft_tokens,
+                "acceptance": round(self.accepted_draft_tokens / self.draft_tokens, 4),
+                "tokens_per_step": round(self.tokens_per_spec_step, 4),
+                "draft_seconds": round(self.draft_seconds, 3), "forward_seconds": round(self.forward_seconds, 3)}
 
     @property
     def bookkeeping_seconds(self) -> float:
@@ -108,14 +159,16 @@ class EmbeddedEngine(EngineBase):
     def __init__(self, model: Any = None, tokenizer: Any = None, max_batch_size: int = 16, max_seq_len: int = 4096,
                  max_input_len: Optional[int] = None, prefix_reuse: bool = True, threads: Optional[int] = None,
                  load: Optional[Callable[[], tuple[Any, Any]]] = None, device: str = "auto",
-                 runner: str = "auto", compile: bool = False):
+                 runner: str = "auto", compile: bool = False, drafter: Any = None,
+                 speculative: Optional[SpecConfig] = None):
         """Either a loaded (model, tokenizer) or `load`, which the engine thread runs itself.
 
         All torch work belongs on the engine thread: measured here, a second thread with its own
         OpenMP pool (e.g. the main thread having loaded the model) makes every decode step about
         2x slower on a 2-core CPU. `from_dir` therefore loads inside the engine thread.
         `runner`: auto (graph on CUDA, slot on CPU), graph or slot; `compile`: torch.compile the
-        graph runner's elementwise work.
+        graph runner's elementwise work. `drafter` (a ReDrafter module or its folder) with
+        `speculative` turns on speculative decoding.
         """
         if runner not in ("auto", "graph", "slot"):
             raise ValueError(f"EmbeddedEngine: runner must be auto, graph or slot (got {runner!r})")
@@ -127,6 +180,14 @@ class EmbeddedEngine(EngineBase):
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         self.max_input_len = max_input_len or max_seq_len - 1
         self.prefix_reuse = prefix_reuse
+        if (drafter is None) != (speculative is None):
+            raise ValueError("EmbeddedEngine: speculative decoding needs both a drafter and a SpecConfig")
+        if speculative is not None and speculative.draft_len < 1:
+            raise ValueError(f"EmbeddedEngine: draft_len must be >= 1 (got {speculative.draft_len})")
+        self.spec = speculative
+        self.spec_max_batch = 0 if speculative is None else (
+            speculative.max_batch or DEFAULT_MAX_BATCH.get(self.device.type, 1))
+        self._drafter_src = drafter
         self.stats = EngineStats()
         self._inbox: queue.Queue = queue.Queue()
         self._waiting: list[_Seq] = []
@@ -158,12 +219,16 @@ class EmbeddedEngine(EngineBase):
             if self.device.type != "cpu":
                 model = model.to(self.device)
             self.model, self.tokenizer = model, tokenizer
+            if self.spec is not None:
+                self._load_drafter(model)
+            # drafts are verified up to draft_len positions past the last token a sequence may keep
+            capacity = self.max_seq_len + (self.spec.draft_len if self.spec else 0)
             if self.runner_kind == "graph":
                 from server.embedded.graph_runner import GraphRunner
 
-                self.runner = GraphRunner(model, self.max_batch_size, self.max_seq_len, compile=self.compile)
+                self.runner = GraphRunner(model, self.max_batch_size, capacity, compile=self.compile)
             else:
-                self.runner = SlotRunner(model, self.max_batch_size, self.max_seq_len)
+                self.runner = SlotRunner(model, self.max_batch_size, capacity)
             self.eos_ids = self._eos_ids(model, tokenizer)
         except BaseException as e:  # reported to the constructor's caller
             self._load_error = e
@@ -171,6 +236,25 @@ class EmbeddedEngine(EngineBase):
             return
         self._ready.set()
         self._loop()
+
+    def _load_drafter(self, model: Any) -> None:
+        from server.embedded.redrafter import ReDrafter, load_drafter
+
+        d = self._drafter_src
+        drafter = d if isinstance(d, ReDrafter) else load_drafter(d)
+        cfg = model.config
+        if drafter.config.hidden_size != cfg.hidden_size or drafter.config.vocab_size != cfg.vocab_size:
+            raise ValueError(f"drafter {d}: hidden_size/vocab_size {drafter.config.hidden_size}/{drafter.config.vocab_size} "
+                             f"do not match the model's {cfg.hidden_size}/{cfg.vocab_size}")
+        # float32 on the CPU (bf16 matmuls are emulated without AVX-512 BF16); the model's dtype on a GPU
+        dtype = torch.float32 if self.device.type == "cpu" else next(model.parameters()).dtype
+        self.drafter = drafter.to(self.device, dtype).eval()
+        self.embed = model.get_input_embeddings()
+        spec = self.spec
+        print(f"[embedded] speculative decoding: ReDrafter, {spec.num_beams} beam(s) x {spec.draft_len} draft tokens, "
+              f"on while at most {self.spec_max_batch} sequences run "
+              f"({'serving.speculative.max_batch' if spec.max_batch else 'default for ' + self.device.type})",
+              file=sys.stderr, flush=True)
 
     def call_in_engine_thread(self, fn: Callable[[], Any]) -> Any:
         """Run fn on the engine thread between steps and return its result (benchmarks use it to
@@ -185,7 +269,9 @@ class EmbeddedEngine(EngineBase):
     # ---- construction
     @classmethod
     def from_dir(cls, engine_dir: str | Path, **overrides: Any) -> "EmbeddedEngine":
-        """Serve a folder written by `make engine` (build/embedded/) or a plain HF checkpoint folder."""
+        """Serve a folder written by `make engine` (build/embedded/) or a plain HF checkpoint folder.
+        `speculative="on"|"off"|"auto"` overrides the folder's serving.speculative.enabled (and the
+        EMBEDDED_SPECULATIVE environment variable does, for one command)."""
         import json
 
         from server.embedded.loader import load_model
@@ -199,10 +285,14 @@ class EmbeddedEngine(EngineBase):
                 raise ValueError(f"{spec_file}: backend is {spec.get('backend')!r}, not 'embedded'")
             model_dir = engine_dir / spec["model_dir"]
             limits = spec["limits"]
+            serving = spec.get("serving") or {}
             kw = dict(max_batch_size=limits["max_batch_size"], max_seq_len=limits["max_seq_len"],
-                      max_input_len=limits["max_input_len"], device=(spec.get("serving") or {}).get("device", "auto"))
+                      max_input_len=limits["max_input_len"], device=serving.get("device", "auto"),
+                      **speculation(engine_dir, spec, overrides.pop("speculative", None),
+                                    overrides.pop("speculative_max_batch", None)))
         elif (engine_dir / "config.json").is_file():
             model_dir, kw = engine_dir, {}
+            overrides.pop("speculative", None), overrides.pop("speculative_max_batch", None)
         else:
             raise FileNotFoundError(f"{engine_dir}: neither an embedded engine (engine.json) nor an HF checkpoint "
                                     "(config.json); run `make engine` first")
@@ -355,31 +445,100 @@ class EmbeddedEngine(EngineBase):
             self._active.append(seq)
             self.stats.cached_tokens += best_len
             t0 = time.perf_counter()
-            logits = None
+            out = None
             chunk = 512
             for start in range(best_len, n, chunk):
-                logits = self.runner.prefill(slot, seq.prompt[start:start + chunk], start)
+                out = self.runner.prefill(slot, seq.prompt[start:start + chunk], start, hidden=self.spec is not None)
             self.stats.forward_seconds += time.perf_counter() - t0
             self.stats.prefill_tokens += n - best_len
             seq.kv_len = n
-            self._sampled([seq], logits.unsqueeze(0))
+            if self.spec is not None:
+                self._sampled([seq], out[0].unsqueeze(0), out[1].unsqueeze(0))
+            else:
+                self._sampled([seq], out.unsqueeze(0))
 
     def _decode(self) -> None:
         live = [s for s in self._active if s.pending is not None]
         if not live:
             return
         assert all(s.slot == i for i, s in enumerate(self._active))
+        if self.spec is not None and len(self._active) <= self.spec_max_batch:
+            self._decode_speculative()
+            return
         t0 = time.perf_counter()
-        logits = self.runner.decode([s.pending for s in self._active], [s.kv_len for s in self._active])
+        out = self.runner.decode([s.pending for s in self._active], [s.kv_len for s in self._active],
+                                 hidden=self.spec is not None)
+        logits, hidden = out if self.spec is not None else (out, None)
         self.stats.forward_seconds += time.perf_counter() - t0
         self.stats.steps += 1
         self.stats.decode_tokens += len(self._active)
         self.stats.batch_sizes.append(len(self._active))
         for s in self._active:
             s.kv_len += 1
-        self._sampled(list(self._active), logits)
+        self._sampled(list(self._active), logits, hidden)
 
-    def _sampled(self, seqs: list[_Seq], logits: torch.Tensor) -> None:
+    def _draft(self, context: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+        """[n, L] draft tokens after each row's pending token (the best beam with num_beams > 1)."""
+        from server.embedded.redrafter import draft_greedy
+
+        spec = self.spec
+        if spec.num_beams == 1:
+            return draft_greedy(self.drafter, context, first, self.embed, spec.draft_len)
+        rows = [self.drafter.beam_search(context[i], int(first[i]), self.embed, spec.num_beams, spec.draft_len)[0][0]
+                for i in range(context.shape[0])]
+        return torch.stack(rows)
+
+    @torch.inference_mode()
+    def _decode_speculative(self) -> None:
+        """Draft L tokens per sequence, verify all rows in one forward, keep each row's accepted run
+        plus the target's next token (speculative.py has the rule)."""
+        seqs, spec, dev = list(self._active), self.spec, self.runner.device
+        n, L = len(seqs), spec.draft_len
+        t0 = time.perf_counter()
+        first = torch.tensor([s.pending for s in seqs], dtype=torch.long, device=dev)
+        drafts = self._draft(torch.stack([s.hidden for s in seqs]), first)
+        t1 = time.perf_counter()
+        rows = torch.cat([first.view(n, 1), drafts], 1)
+        logits, hidden = self.runner.verify(rows, [s.kv_len for s in seqs], hidden=True)
+        t2 = time.perf_counter()
+        params = [s.params for s in seqs]
+        want = max((p.top_logprobs for p in params), default=0)
+        tops = top_logprobs(logits, want)
+        if dev.type == "cpu":
+            verdicts = accept_host(logits, drafts.tolist(), params, [s.gen for s in seqs])
+            draft_rows = drafts.tolist()
+        else:  # one transfer: drafts, kept counts, next tokens (and top logprobs)
+            keep, nxt = accept_device(logits, drafts, params, [s.seed for s in seqs], [len(s.generated) for s in seqs])
+            packed = torch.cat([drafts, keep.view(n, 1), nxt.view(n, 1)], 1).tolist()
+            draft_rows = [r[:L] for r in packed]
+            verdicts = [(r[L], r[L + 1]) for r in packed]
+        if tops is not None:
+            tops = (tops[0].tolist(), tops[1].tolist())
+        self.stats.draft_seconds += t1 - t0
+        self.stats.forward_seconds += t2 - t0
+        self.stats.sample_seconds += time.perf_counter() - t2
+        self.stats.steps += 1
+        self.stats.spec_steps += 1
+        self.stats.spec_rows += n
+        self.stats.batch_sizes.append(n)
+        self.stats.draft_tokens += n * L
+        for i, (s, (k, nxt_tok)) in enumerate(zip(seqs, verdicts)):
+            s.kv_len += 1 + k  # the pending token and the kept drafts are in the cache now
+            s.hidden = hidden[i, k]
+            s.stream.draft_tokens += L
+            s.stream.accepted_draft_tokens += k
+            self.stats.accepted_draft_tokens += k
+            emitted = draft_rows[i][:k] + [nxt_tok]
+            self.stats.decode_tokens += len(emitted)
+            for j, tok in enumerate(emitted):
+                top = None
+                if tops is not None and s.params.top_logprobs:
+                    m = s.params.top_logprobs
+                    top = tuple(zip(tops[0][i][j][:m], tops[1][i][j][:m]))
+                if self._emit(s, tok, top):
+                    break
+
+    def _sampled(self, seqs: list[_Seq], logits: torch.Tensor, hidden: Optional[torch.Tensor] = None) -> None:
         t0 = time.perf_counter()
         if logits.device.type == "cpu":
             toks, tops = sample(logits, [s.params for s in seqs], [s.gen for s in seqs])
@@ -387,14 +546,23 @@ class EmbeddedEngine(EngineBase):
             toks, tops = sample_device(logits, [s.params for s in seqs], [s.seed for s in seqs],
                                        [len(s.generated) for s in seqs])
         self.stats.sample_seconds += time.perf_counter() - t0
-        for s, tok, top in zip(seqs, toks, tops):
-            s.pending = tok
-            eos = (tok in self.eos_ids and not s.params.ignore_eos) or tok in s.params.stop_token_ids
-            matched = s.stream.push((tok,), (top,) if top is not None else None, text=not eos)
-            if eos or matched is not None:
-                self._finish(s, "stop")
-            elif len(s.generated) >= s.max_new:
-                self._finish(s, "length")
+        for i, (s, tok, top) in enumerate(zip(seqs, toks, tops)):
+            if hidden is not None:
+                s.hidden = hidden[i]
+            self._emit(s, tok, top)
+
+    def _emit(self, s: _Seq, tok: int, top: Any) -> bool:
+        """Hand one new token to its request; True when that ended the request (end of sequence, a
+        stop string, max tokens)."""
+        s.pending = tok
+        eos = (tok in self.eos_ids and not s.params.ignore_eos) or tok in s.params.stop_token_ids
+        matched = s.stream.push((tok,), (top,) if top is not None else None, text=not eos)
+        reason = "stop" if eos or matched is not None else "length" if len(s.generated) >= s.max_new else None
+        if reason is None:
+            return False
+        s.kv_len = min(s.kv_len, len(s.tokens))  # a run cut short: accepted drafts past the end are not kept
+        self._finish(s, reason)
+        return True
 
     def _finish(self, seq: _Seq, reason: str, error: str = "") -> None:
         if self._by_id.pop(seq.req.request_id, None) is None:

@@ -203,7 +203,7 @@ class GraphRunner:
             cos, sin = self.inner.rotary_emb(probe, pos)  # the model's own RoPE (its scaling included)
         self.cos, self.sin = cos[0].to(self.dtype), sin[0].to(self.dtype)  # [max_seq_len, d]
         self.buckets = batch_buckets(num_slots)
-        self._graphs: dict[tuple[int, int], tuple[Any, dict[str, torch.Tensor]]] = {}
+        self._graphs: dict[tuple[int, int, int], tuple[Any, dict[str, torch.Tensor]]] = {}
         self._pool: Any = None
 
     # ---- cache management (same contract as SlotRunner)
@@ -218,29 +218,36 @@ class GraphRunner:
         swap_prefix((*self.k, *self.v), a, b, length)
 
     # ---- forward pieces
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(self.inner.norm(h)).float()
+    def _head(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        normed = self.inner.norm(h)
+        return self.model.lm_head(normed).float(), normed
 
-    def _decode_step(self, ids: torch.Tensor, pos: torch.Tensor, write_rows: torch.Tensor, ctx: int) -> torch.Tensor:
-        """The whole decode step on static inputs: ids, pos, write_rows [B]; logits [B, V]."""
-        b = ids.shape[0]
-        h = self.inner.embed_tokens(ids)
-        cos, sin = self.cos[pos], self.sin[pos]
-        mask = (torch.arange(ctx, device=ids.device).unsqueeze(0) <= pos.unsqueeze(1)).view(b, 1, 1, ctx)
+    def _rows_step(self, ids: torch.Tensor, pos: torch.Tensor, write_rows: torch.Tensor, ctx: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode (T=1) or verify (T>1) step on static inputs: ids, pos, write_rows [B, T], token t
+        of a row attending causally to its row's cache; logits [B*T, V] and normed hidden [B*T, H]."""
+        b, t = ids.shape
+        h = self.inner.embed_tokens(ids.reshape(-1))
+        cos, sin = self.cos[pos.reshape(-1)], self.sin[pos.reshape(-1)]
+        # query rows per KV head: (token, group head), token-major, each masked at its own position
+        mask = (torch.arange(ctx, device=ids.device).view(1, 1, ctx) <= pos.unsqueeze(-1))  # [B, T, ctx]
+        mask = mask.repeat_interleave(self.group, 1).unsqueeze(1)  # [B, 1, T*group, ctx]
+        g, nkv, d = self.group, self.nkv, self.d
         for i, layer in enumerate(self.layers):
-            q, k, v = layer.pre(h, cos, sin, self.nq, self.nkv, self.d)
-            self.k[i][write_rows, :, pos] = k
-            self.v[i][write_rows, :, pos] = v
+            q, k, v = layer.pre(h, cos, sin, self.nq, nkv, d)
+            self.k[i][write_rows, :, pos] = k.view(b, t, nkv, d)
+            self.v[i][write_rows, :, pos] = v.view(b, t, nkv, d)
             keys, values = self.k[i][:b, :, :ctx], self.v[i][:b, :, :ctx]
             # the group query heads of one KV head are `group` query rows of one attention: no expansion
-            o = F.scaled_dot_product_attention(q.view(b, self.nkv, self.group, self.d), keys, values,
-                                               attn_mask=mask, scale=self.scale)
-            h = layer.post(h, o.reshape(b, self.nq * self.d))
-        return self._logits(h)
+            qr = q.view(b, t, nkv, g, d).permute(0, 2, 1, 3, 4).reshape(b, nkv, t * g, d)
+            o = F.scaled_dot_product_attention(qr, keys, values, attn_mask=mask, scale=self.scale)
+            h = layer.post(h, o.view(b, nkv, t, g, d).permute(0, 2, 1, 3, 4).reshape(b * t, self.nq * d))
+        return self._head(h)
 
     @torch.inference_mode()
-    def prefill(self, slot: int, token_ids: list[int], start: int) -> torch.Tensor:
-        """Write KV for token_ids at positions [start, start+n) of `slot`; logits [V] of the last one."""
+    def prefill(self, slot: int, token_ids: list[int], start: int, hidden: bool = False) -> Any:
+        """Write KV for token_ids at positions [start, start+n) of `slot`; logits [V] of the last one
+        (and its normed hidden state [H] with `hidden`)."""
         n = len(token_ids)
         end = start + n
         self.ensure_capacity(end)
@@ -260,49 +267,65 @@ class GraphRunner:
             o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
                                                attn_mask=mask, scale=self.scale)  # [1, nq, n, d]
             h = layer.post(h, o[0].transpose(0, 1).reshape(n, self.nq * self.d))
-        return self._logits(h[-1])
+        logits, normed = self._head(h[-1])
+        return (logits, normed) if hidden else logits
 
     @torch.inference_mode()
-    def decode(self, token_ids: list[int], positions: list[int]) -> torch.Tensor:
-        """One token for each slot 0..n-1 at its position; logits [n, V] (on the runner's device)."""
-        n = len(token_ids)
-        longest = max(positions) + 1
+    def decode(self, token_ids: list[int], positions: list[int], hidden: bool = False) -> Any:
+        """One token for each slot 0..n-1 at its position; logits [n, V] (and hidden [n, H]), on the
+        runner's device."""
+        out = self.verify([[t] for t in token_ids], positions, hidden)
+        return (out[0][:, 0], out[1][:, 0]) if hidden else out[:, 0]
+
+    @torch.inference_mode()
+    def verify(self, token_rows: Any, starts: list[int], hidden: bool = False) -> Any:
+        """T tokens for each slot 0..n-1 at positions [start, start+T); logits [n, T, V] (and hidden
+        [n, T, H]). With graphs, one captured graph per (batch bucket, context bucket, T)."""
+        n, t = len(token_rows), len(token_rows[0])
+        longest = max(starts) + t
         self.ensure_capacity(longest)
         # buckets only where graphs need them: masked padding keys change the CPU kernel's summation order
         b = bucket(n, self.buckets) if self.graphs else n
         ctx = context_bucket(longest, self.max_seq_len) if self.graphs else longest
         pad = b - n
-        ids = torch.tensor(list(token_ids) + [0] * pad, dtype=torch.long)
-        pos = torch.tensor(list(positions) + [0] * pad, dtype=torch.long)
-        rows = torch.tensor(list(range(n)) + [self.scratch] * pad, dtype=torch.long)
+        if isinstance(token_rows, torch.Tensor):  # drafts still on the device: no host round trip
+            ids = torch.cat([token_rows, token_rows.new_zeros((pad, t))]) if pad else token_rows
+        else:
+            ids = torch.tensor([list(r) for r in token_rows] + [[0] * t] * pad, dtype=torch.long)
+        pos = torch.tensor(list(starts) + [0] * pad, dtype=torch.long).view(b, 1) + torch.arange(t)
+        rows = torch.tensor(list(range(n)) + [self.scratch] * pad, dtype=torch.long).view(b, 1).expand(b, t)
         if not self.graphs:
             dev = self.device
-            return self._decode_step(ids.to(dev), pos.to(dev), rows.to(dev), ctx)[:n]
-        graph, io = self._graph(b, ctx)
-        io["ids"].copy_(ids, non_blocking=True)
-        io["pos"].copy_(pos, non_blocking=True)
-        io["rows"].copy_(rows, non_blocking=True)
-        graph.replay()
-        return io["logits"][:n]
+            logits, normed = self._rows_step(ids.to(dev), pos.to(dev), rows.to(dev), ctx)
+        else:
+            graph, io = self._graph(b, ctx, t)
+            io["ids"].copy_(ids, non_blocking=True)
+            io["pos"].copy_(pos, non_blocking=True)
+            io["rows"].copy_(rows, non_blocking=True)
+            graph.replay()
+            logits, normed = io["logits"], io["hidden"]
+        logits = logits.view(b, t, -1)[:n]
+        return (logits, normed.view(b, t, -1)[:n]) if hidden else logits
 
-    def _graph(self, b: int, ctx: int) -> tuple[Any, dict[str, torch.Tensor]]:
-        """The captured decode step for (batch bucket, context bucket), captured on first use."""
-        key = (b, ctx)
+    def _graph(self, b: int, ctx: int, t: int) -> tuple[Any, dict[str, torch.Tensor]]:
+        """The captured step for (batch bucket, context bucket, tokens per row), captured on first use."""
+        key = (b, ctx, t)
         if key in self._graphs:
             return self._graphs[key]
         dev = self.device
-        io = {"ids": torch.zeros(b, dtype=torch.long, device=dev), "pos": torch.zeros(b, dtype=torch.long, device=dev),
-              "rows": torch.full((b,), self.scratch, dtype=torch.long, device=dev)}
+        io = {"ids": torch.zeros((b, t), dtype=torch.long, device=dev),
+              "pos": torch.zeros((b, t), dtype=torch.long, device=dev),
+              "rows": torch.full((b, t), self.scratch, dtype=torch.long, device=dev)}
         stream = torch.cuda.Stream(device=dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm-up: lazy inits and (with compile) the compiled kernels happen here
-                self._decode_step(io["ids"], io["pos"], io["rows"], ctx)
+                self._rows_step(io["ids"], io["pos"], io["rows"], ctx)
         torch.cuda.current_stream(dev).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self._pool):
-            io["logits"] = self._decode_step(io["ids"], io["pos"], io["rows"], ctx)
+            io["logits"], io["hidden"] = self._rows_step(io["ids"], io["pos"], io["rows"], ctx)
         self._graphs[key] = (graph, io)
         return graph, io

@@ -113,12 +113,17 @@ class SlotRunner:
         h = h + attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
-    def _logits(self, h_last: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(self.inner.norm(h_last)).float()
+    def _head(self, h: torch.Tensor, hidden: bool) -> Any:
+        """Logits (float32) of the last hidden states; with `hidden`, also those states after the final
+        norm (what the drafter reads)."""
+        normed = self.inner.norm(h)
+        logits = self.model.lm_head(normed).float()
+        return (logits, normed) if hidden else logits
 
     @torch.inference_mode()
-    def prefill(self, slot: int, token_ids: list[int], start: int) -> torch.Tensor:
-        """Write KV for token_ids at positions [start, start+n) of `slot`; logits [V] of the last one."""
+    def prefill(self, slot: int, token_ids: list[int], start: int, hidden: bool = False) -> Any:
+        """Write KV for token_ids at positions [start, start+n) of `slot`; logits [V] of the last one
+        (and its normed hidden state [H] with `hidden`)."""
         n = len(token_ids)
         end = start + n
         self.ensure_capacity(end)
@@ -137,28 +142,36 @@ class SlotRunner:
 
         for i, layer in enumerate(self.layers):
             h = self._attention_layer(i, layer, h, cos, sin, write, read, mask)
-        return self._logits(h[0, -1])
+        return self._head(h[0, -1], hidden)
 
     @torch.inference_mode()
-    def decode(self, token_ids: list[int], positions: list[int]) -> torch.Tensor:
-        """One token for each slot 0..n-1 at its position; logits [n, V]."""
-        n = len(token_ids)
-        longest = max(positions) + 1
+    def decode(self, token_ids: list[int], positions: list[int], hidden: bool = False) -> Any:
+        """One token for each slot 0..n-1 at its position; logits [n, V] (and hidden [n, H])."""
+        out = self.verify([[t] for t in token_ids], positions, hidden)
+        return (out[0][:, 0], out[1][:, 0]) if hidden else out[:, 0]
+
+    @torch.inference_mode()
+    def verify(self, token_rows: Any, starts: list[int], hidden: bool = False) -> Any:
+        """T tokens for each slot 0..n-1 at positions [start, start+T), causal within the row; logits
+        [n, T, V] (and hidden [n, T, H]). Speculative decoding checks a row's drafts with it; KV written
+        past what is accepted is ignored (attention reads a slot only up to its length) and overwritten."""
+        n, t = len(token_rows), len(token_rows[0])
+        longest = max(starts) + t
         self.ensure_capacity(longest)
         dev = self.device
-        ids = torch.tensor(token_ids, dtype=torch.long, device=dev).view(n, 1)
-        pos = torch.tensor(positions, dtype=torch.long, device=dev).view(n, 1)
-        rows = torch.arange(n, device=dev)
+        ids = torch.as_tensor(token_rows, dtype=torch.long, device=dev)
+        pos = torch.tensor(starts, dtype=torch.long, device=dev).view(n, 1) + torch.arange(t, device=dev)
+        rows = torch.arange(n, device=dev).view(n, 1).expand(n, t)
         h = self.inner.embed_tokens(ids)
         cos, sin = self.inner.rotary_emb(h, pos)
-        mask = (torch.arange(longest, device=dev).unsqueeze(0) <= pos).view(n, 1, 1, longest)
+        mask = (torch.arange(longest, device=dev).view(1, 1, longest) <= pos.unsqueeze(-1)).unsqueeze(1)
 
         def write(cache: torch.Tensor, new: torch.Tensor) -> None:
-            cache[rows, :, pos[:, 0]] = new[:, :, 0]
+            cache[rows, :, pos] = new.transpose(1, 2)  # [n, T, kv_heads, head_dim]
 
         def read(cache: torch.Tensor) -> torch.Tensor:
             return cache[:n, :, :longest]
 
         for i, layer in enumerate(self.layers):
             h = self._attention_layer(i, layer, h, cos, sin, write, read, mask)
-        return self._logits(h[:, -1])
+        return self._head(h, hidden)

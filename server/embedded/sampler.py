@@ -23,22 +23,32 @@ def make_generator(seed: Optional[int]) -> torch.Generator:
     return g
 
 
+def row_distribution(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distribution a row is sampled from, as (token ids, probabilities summing to 1): the
+    logits divided by the temperature, then top-k, then top-p over what top-k kept (renormalised;
+    the smallest prefix of the sorted probabilities whose mass reaches p, at least one token).
+    `sample_device` implements the same rule on a GPU; speculative acceptance reads it too."""
+    vocab = logits.numel()
+    probs = torch.softmax(logits.float() / p.temperature, -1)
+    if p.top_k == 0 and p.top_p >= 1.0:
+        return torch.arange(vocab, device=logits.device), probs
+    k = min(p.top_k or CANDIDATES, vocab)
+    top_p, top_i = torch.topk(probs, k)
+    if p.top_k == 0 and float(top_p.sum()) < p.top_p and k < vocab:
+        top_p, top_i = torch.sort(probs, descending=True)  # nucleus wider than the candidates
+    if p.top_p < 1.0:
+        mass = float(top_p.sum()) if p.top_k else 1.0  # top-k renormalises before top-p
+        cum = torch.cumsum(top_p, -1)
+        keep = min(int(torch.searchsorted(cum, torch.tensor([p.top_p * mass], device=cum.device))) + 1, top_p.numel())
+        top_p, top_i = top_p[:keep], top_i[:keep]
+    return top_i, top_p / top_p.sum()
+
+
 def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:
     if p.temperature == 0:
         return int(torch.argmax(logits))
-    scaled = logits / p.temperature
-    if p.top_k == 0 and p.top_p >= 1.0:
-        return int(torch.multinomial(torch.softmax(scaled, -1), 1, generator=gen))
-    k = min(p.top_k or CANDIDATES, scaled.numel())
-    probs = torch.softmax(scaled, -1)
-    top_p, top_i = torch.topk(probs, k)
-    if p.top_k == 0 and float(top_p.sum()) < p.top_p and k < scaled.numel():
-        top_p, top_i = torch.sort(probs, descending=True)  # nucleus wider than the candidates
-    if p.top_p < 1.0:
-        cum = torch.cumsum(top_p, -1)
-        keep = int(torch.searchsorted(cum, torch.tensor([p.top_p * float(cum[-1])]))) + 1
-        top_p, top_i = top_p[:keep], top_i[:keep]
-    return int(top_i[torch.multinomial(top_p, 1, generator=gen)])
+    ids, probs = row_distribution(logits, p)
+    return int(ids[torch.multinomial(probs, 1, generator=gen)])
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams], gens: Sequence[torch.Generator]
@@ -81,6 +91,16 @@ def gumbel_noise(seeds: torch.Tensor, steps: torch.Tensor, token_ids: torch.Tens
     return -torch.log(-torch.log(u))
 
 
+def _keep_sorted(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """[R, V] mask over probabilities sorted in descending order: top-k, then top-p over the
+    renormalised top-k mass (the rule of `row_distribution`)."""
+    rank = torch.arange(probs.shape[-1], device=probs.device).unsqueeze(0)
+    in_k = rank < top_k.unsqueeze(1)
+    cum = torch.cumsum(probs * in_k, -1)
+    before = cum - probs  # mass of the kept tokens ranked above
+    return in_k & ((before < top_p.unsqueeze(1) * cum[:, -1:]) | (rank == 0))
+
+
 def sample_device(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int], steps: Sequence[int]
                   ) -> tuple[list[int], list[Optional[tuple[tuple[int, float], ...]]]]:
     """`sample` for logits on a GPU: temperature, top-k and top-p as masks over the sorted row, the
@@ -103,9 +123,7 @@ def sample_device(logits: torch.Tensor, params: Sequence[SamplingParams], seeds:
             top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
             vals, idx = torch.sort(scaled, -1, descending=True)
             probs = torch.softmax(vals, -1)
-            before = torch.cumsum(probs, -1) - probs  # mass of the tokens ranked above
-            rank = torch.arange(vocab, device=dev).unsqueeze(0)
-            keep = (rank < top_k.unsqueeze(1)) & ((before < top_p.unsqueeze(1)) | (rank == 0))
+            keep = _keep_sorted(probs, top_k, top_p)
             noisy = torch.where(keep, vals + gumbel_noise(seed_t, step_t, idx), torch.full_like(vals, float("-inf")))
             drawn = idx.gather(1, noisy.argmax(-1, keepdim=True)).squeeze(1)
         else:

@@ -224,6 +224,14 @@ class BudgetSpec:
 
 
 @dataclass(frozen=True)
+class SpeculativeSpec:
+    """Speculative decoding with the engine's ReDrafter head (embedded backend)."""
+
+    enabled: Literal["auto", "on", "off"] = "auto"  # auto: on when the engine folder has a drafter
+    max_batch: int = 0  # draft only while at most this many sequences run; 0: the measured default per device
+
+
+@dataclass(frozen=True)
 class ServingSpec:
     # where the embedded engine runs: auto (CUDA when there is one), cpu, cuda or cuda:N; a command
     # overrides it with EMBEDDED_DEVICE (make ... DEVICE=cpu)
@@ -236,6 +244,7 @@ class ServingSpec:
     tool: ToolSpec = field(default_factory=ToolSpec)
     solver: SolverSpec = field(default_factory=SolverSpec)
     budget: BudgetSpec = field(default_factory=BudgetSpec)
+    speculative: SpeculativeSpec = field(default_factory=SpeculativeSpec)
 
 
 @dataclass(frozen=True)
@@ -461,6 +470,10 @@ def _check(recipe: Recipe, where: str, check_paths: bool) -> None:
         fail("serving.max_code_calls", "must be >= 0 (and output_chars >= 1)", (s.max_code_calls, s.output_chars))
     if s.sampling.max_tokens < 1:
         fail("serving.sampling.max_tokens", "must be >= 1", s.sampling.max_tokens)
+    if s.speculative.max_batch < 0:
+        fail("serving.speculative.max_batch", "must be >= 0 (0: the default for the device)", s.speculative.max_batch)
+    if s.speculative.enabled == "on" and d.kind == "none":
+        fail("serving.speculative.enabled", "'on' needs a drafter (drafter.kind: redrafter)", s.speculative.enabled)
     if s.tool.wall_seconds <= 0:
         fail("serving.tool.wall_seconds", "must be > 0", s.tool.wall_seconds)
     v = s.solver

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from trtbuild.drafter.data import Sequence
-from trtbuild.drafter.model import ReDrafter
+from server.embedded.redrafter import ReDrafter
 from trtbuild.drafter.train import hidden_states
 
 

@@ -19,7 +19,7 @@ import torch
 from torch.nn import functional as F
 
 from trtbuild.drafter.data import Sequence
-from trtbuild.drafter.model import DrafterConfig, ReDrafter
+from server.embedded.redrafter import DrafterConfig, ReDrafter
 from trtbuild.core.recipe import DrafterTrainSpec
 
 
@@ -155,11 +155,6 @@ def export(drafter: ReDrafter, out: Path, dtype: torch.dtype = torch.bfloat16) -
 
 
 def load(folder: Path) -> ReDrafter:
-    from safetensors.torch import load_file
+    from server.embedded.redrafter import load_drafter
 
-    data = json.loads((folder / "config.json").read_text())
-    known = {f for f in DrafterConfig.__dataclass_fields__}
-    config = DrafterConfig(**{k: v for k, v in data.items() if k in known})
-    drafter = ReDrafter(config)
-    drafter.load_state_dict({k: v.float() for k, v in load_file(str(folder / "model.safetensors")).items()})
-    return drafter.eval()
+    return load_drafter(folder)

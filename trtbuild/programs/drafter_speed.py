@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from trtbuild.drafter.model import DrafterConfig, ReDrafter
+from server.embedded.redrafter import DrafterConfig, ReDrafter
 from trtbuild.drafter.train import Examples, step_loss
 
 

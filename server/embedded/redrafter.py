@@ -1,5 +1,8 @@
 """The ReDrafter head in PyTorch, with the parameter names TensorRT-LLM's ReDrafter converter reads.
 
+It lives in the runtime because the embedded engine drafts with it when it serves (speculative
+decoding, `server/embedded/speculative.py`); the drafter stage trains and exports it.
+
 Given the target's last hidden state h (final norm applied) at the position that produced token
 x1, the head drafts x2, x3, ...: the recurrent state s starts at 0 and takes one token embedding per
 step, s = silu(rnn_w(emb(x)) + rnn_u(s)); the logits come from [h ; s] through an optional
@@ -10,7 +13,9 @@ lm_head.{N}.weight, rnn_u.{weight,bias}, rnn_w.weight.
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -116,3 +121,43 @@ class ReDrafter(nn.Module):
             beams = torch.cat([beams[parent], token[:, None]], dim=1)
             state = state[parent]
         return beams[:, 1:], score
+
+
+def load_drafter(folder: str | Path) -> ReDrafter:
+    """A drafter folder (config.json + model.safetensors, as the drafter stage exports it), float32."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    cfg_file, weights = folder / "config.json", folder / "model.safetensors"
+    for f in (cfg_file, weights):
+        if not f.is_file():
+            raise FileNotFoundError(f"drafter: {f} is missing (a drafter folder has config.json and model.safetensors)")
+    try:
+        data = json.loads(cfg_file.read_text())
+        known = set(DrafterConfig.__dataclass_fields__)
+        config = DrafterConfig(**{k: v for k, v in data.items() if k in known})
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"drafter: {cfg_file} is not a ReDrafter config: {e}") from None
+    drafter = ReDrafter(config)
+    try:
+        drafter.load_state_dict({k: v.float() for k, v in load_file(str(weights)).items()})
+    except (RuntimeError, OSError) as e:
+        raise ValueError(f"drafter: {weights} does not match {cfg_file}: {e}") from None
+    return drafter.eval()
+
+
+@torch.no_grad()
+def draft_greedy(drafter: ReDrafter, context: torch.Tensor, first: torch.Tensor, embed: nn.Module,
+                 draft_len: int) -> torch.Tensor:
+    """One beam per row, argmax at every step, all rows at once: context [n, H] (the target's last
+    hidden state, final norm applied), first [n] (the target's token from that state) -> [n, L]."""
+    dtype = next(drafter.parameters()).dtype
+    ctx = context.to(dtype)
+    state = torch.zeros_like(ctx)
+    tok = first
+    out = []
+    for _ in range(draft_len):
+        state = drafter.next_state(state, embed(tok).to(dtype))
+        tok = drafter.logits(ctx, state).argmax(-1)
+        out.append(tok)
+    return torch.stack(out, 1)
