@@ -286,3 +286,27 @@ def test_spec_config_and_drafter_shape_are_checked(hf):
     with pytest.raises(ValueError, match="both a drafter"):
         EmbeddedEngine(model, tok, device="cpu", drafter=repeat_drafter(model))
     assert speculative.DEFAULT_MAX_BATCH["cpu"] >= 1
+
+
+def test_cancel_and_deadline_with_the_drafter(hf):
+    import time
+
+    text = prompts(hf[1], 1)[0]
+    spec = make_engine(hf, repeat_drafter(hf[0]))
+    try:
+        async def go():
+            long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+            expired = Request(text, long, deadline=time.monotonic() + 0.05)
+            cancelled = Request(text, long)
+            task = asyncio.ensure_future(collect(spec, cancelled))
+            await asyncio.sleep(0.05)
+            spec.cancel(cancelled.request_id)
+            return await asyncio.gather(collect(spec, expired), task)
+
+        (_, timed_out), (_, cancelled) = asyncio.run(go())
+        again = run_all(spec, [text], GREEDY)[0]  # the engine serves on after both
+    finally:
+        spec.shutdown()
+    assert timed_out.finish_reason == "timeout" and len(timed_out.token_ids) < 200
+    assert cancelled.finish_reason == "cancelled" and len(cancelled.token_ids) < 200
+    assert again.finish_reason in ("stop", "length") and not spec._active
