@@ -170,14 +170,15 @@ def run(recipe: Recipe) -> Path:
         final = layout.quantize_format(fmt)
         if not stages.current(f"{STAGE}/{fmt}", final, fps[fmt]):
             if ref is None:
-                from server.embedded.loader import load_model, use_all_cores
+                from server.embedded.loader import gate_dtype, load_model, use_all_cores
                 from trtbuild.core.chat import load_tokenizer
                 from trtbuild.quality import quality_prompts, record_replies
 
                 use_all_cores()
                 tok = load_tokenizer(merged_dir)
-                ref_model = load_model(merged_dir)
-                mf.log(STAGE, "recording bf16 reference replies ...")
+                # the bf16 weights, computed in gate_dtype (float32 on CPUs without native bf16)
+                ref_model = load_model(merged_dir, dtype=gate_dtype())
+                mf.log(STAGE, f"recording bf16-weight reference replies ({ref_model.dtype} compute) ...")
                 ref = {"model": ref_model, "replies": record_replies(
                     ref_model, tok, quality_prompts(recipe, tok), recipe.quality.max_new_tokens)}
             reference = ref

@@ -114,6 +114,18 @@ def _materialize_buffers(model: torch.nn.Module, config: Any, dtype: torch.dtype
             setattr(module, b, getattr(fresh, b))
 
 
+def gate_dtype() -> torch.dtype:
+    """The dtype the build's measurement passes (quality gates) compute in: bf16 on CUDA and on CPUs
+    with native bf16 (AVX-512 BF16 / AMX); float32 on other CPUs, where PyTorch emulates bf16 matmuls
+    and they run several times slower (2-core AVX2 CI machine: ~3x at 8 rows). Upcasting bf16 weights
+    is exact, so this changes the compute precision of the measurement, never the weights measured."""
+    if torch.cuda.is_available():
+        return torch.bfloat16
+    native = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)() or \
+        getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    return torch.bfloat16 if native else torch.float32
+
+
 def use_all_cores() -> None:
     """Torch intra-op threads on every core (stages that run the model on the CPU)."""
     import os
