@@ -4,10 +4,13 @@
         [--device auto] [--out bench/speculative.json]
 
 The same engine folder is served twice per repeat, with its ReDrafter head (drafting at every batch
-size, whatever the device's switch-off default) and without it; both get the same requests: the
-shipped problems in the chat format, B at a time, under the recipe's sampling and greedily. Each
-row gives the median generated tokens/s of both, their ratio, and the tokens per sequence per step
-in serving next to the drafter stage's offline figure (`drafter/acceptance.json`). The largest batch
+size, whatever the device's switch-off default) and without it; both get the same work: B samples
+of the shipped problems at a time through the real TIR client (code blocks run in the sandbox,
+output blocks fed back, as `make solve` runs them), under the recipe's sampling and greedily. The
+rate is the samples' generated tokens over the wall time. Greedy samples are token for token the
+same with and without the drafter (exactness), so that comparison is of identical work. Each row
+gives the median tokens/s of both, their ratio, where the time per token goes, and the tokens per
+sequence per step in serving next to the drafter stage's offline figure (`drafter/acceptance.json`). The largest batch
 at which drafting still wins is printed against the engine's default switch-off batch for the
 device (`speculative.DEFAULT_MAX_BATCH`).
 """
@@ -23,7 +26,6 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from server.protocol import Final, Request, SamplingParams
 
 
 def log(msg: str) -> None:
@@ -38,29 +40,30 @@ def problem_prompts(engine: Any, problems_file: str, n: int) -> list[list[int]]:
     return [engine.tokenize(engine.chat_prompt(t)) for t in texts]
 
 
-def throughput(engine: Any, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[float, list[Final]]:
-    async def one(p: list[int], sp: SamplingParams) -> Final:
-        async for ev in engine.generate(Request(p, sp)):
-            if isinstance(ev, Final):
-                return ev
-        raise RuntimeError("no final message")
+def tir_throughput(engine: Any, sandbox: Any, serving: Any, prompts: list[list[int]], seed0: int
+                   ) -> tuple[float, int]:
+    """B TIR samples at once to their ends: (generated tokens per second of wall time, tokens)."""
+    from server.assembly import tir_client
 
-    async def go() -> list[Final]:
-        return await asyncio.gather(*(one(p, sp) for p, sp in zip(prompts, params)))
+    client = tir_client(serving, engine, sandbox, serving.sampling.max_tokens)
+
+    async def go() -> list[Any]:
+        return await asyncio.gather(*(client.run(p, i, seed0 + i) for i, p in enumerate(prompts)))
 
     t0 = time.perf_counter()
-    finals = asyncio.run(go())
+    traces = asyncio.run(go())
     wall = time.perf_counter() - t0
-    bad = [f for f in finals if f.finish_reason not in ("stop", "length")]
+    bad = [t for t in traces if t.finish not in ("stop", "length")]
     if bad:
-        raise RuntimeError(f"benchmark request ended with {bad[0].finish_reason}: {bad[0].error}")
-    return sum(len(f.token_ids) for f in finals) / wall, finals
+        raise RuntimeError(f"benchmark sample ended with {bad[0].finish}: {bad[0].error}")
+    tokens = sum(t.tokens for t in traces)
+    return tokens / wall, tokens
 
 
-def open_engine(engine_dir: Path, speculative: bool, device: Optional[str]) -> Any:
+def open_engine(engine_dir: Path, speculative: bool, device: Optional[str], threads: Optional[int] = None) -> Any:
     from server.embedded.engine import EmbeddedEngine
 
-    kw: dict[str, Any] = {"speculative": "on" if speculative else "off"}
+    kw: dict[str, Any] = {"speculative": "on" if speculative else "off", "threads": threads}
     if speculative:
         kw["speculative_max_batch"] = 10**6  # draft at every batch size: the switch-off is what we measure
     if device:
@@ -68,39 +71,63 @@ def open_engine(engine_dir: Path, speculative: bool, device: Optional[str]) -> A
     return EmbeddedEngine.from_dir(engine_dir, **kw)
 
 
-def measure(engine_dir: Path, batches: list[int], tokens: int, repeats: int, sampling: SamplingParams,
-            problems: str, device: Optional[str]) -> list[dict[str, Any]]:
-    modes = {"recipe sampling": sampling, "greedy": SamplingParams(temperature=0.0, max_tokens=tokens)}
+def measure(engine_dir: Path, batches: list[int], tokens: int, repeats: int, serving: Any,
+            problems: str, device: Optional[str], threads: Optional[int] = None) -> list[dict[str, Any]]:
+    import dataclasses
+
+    from server.assembly import sandbox_for
+
+    def with_sampling(**kw: Any) -> Any:
+        return dataclasses.replace(serving, sampling=dataclasses.replace(serving.sampling, max_tokens=tokens, **kw))
+
+    modes = {"recipe sampling": with_sampling(), "greedy": with_sampling(temperature=0.0)}
     runs: dict[tuple[str, int, bool], list[float]] = {}
     spec_stats: dict[tuple[str, int], list[float]] = {}
-    for r in range(repeats):
-        for speculative in (True, False):
-            engine = open_engine(engine_dir, speculative, device)
-            try:
-                prompts = problem_prompts(engine, problems, max(batches))
-                throughput(engine, prompts[:2], [SamplingParams(temperature=0.0, max_tokens=8)] * 2)  # warm-up
-                for mode, base in modes.items():
+    costs: dict[tuple[str, int, bool], list[list[float]]] = {}  # ms per generated token, steps per token
+    sandbox = sandbox_for(serving.tool)
+    try:
+        for r in range(repeats):
+            for speculative in (True, False):
+                engine = open_engine(engine_dir, speculative, device, threads)
+                try:
+                    prompts = problem_prompts(engine, problems, max(batches))
+                    # warm-up at every batch size and length: CUDA graphs are captured per (batch,
+                    # context, tokens per row) bucket on first use, which must not land in a timed run
                     for b in batches:
-                        params = [SamplingParams(temperature=base.temperature, top_p=base.top_p, top_k=base.top_k,
-                                                 max_tokens=tokens, seed=1000 * r + i) for i in range(b)]
-                        s0 = (engine.stats.spec_rows, engine.stats.accepted_draft_tokens)
-                        tps, _ = throughput(engine, prompts[:b], params)
-                        runs.setdefault((mode, b, speculative), []).append(tps)
-                        if speculative:
-                            rows = engine.stats.spec_rows - s0[0]
-                            acc = engine.stats.accepted_draft_tokens - s0[1]
-                            spec_stats.setdefault((mode, b), []).append(1.0 + acc / rows if rows else 1.0)
-                        log(f"repeat {r + 1}/{repeats} {mode:>15} batch {b:>2} "
-                            f"{'with' if speculative else 'without'} drafter: {tps:.1f} tok/s")
-            finally:
-                engine.shutdown()
+                        tir_throughput(engine, sandbox, modes["greedy"], prompts[:b], 0)
+                    for mode, sv in modes.items():
+                        for b in batches:
+                            st = engine.stats
+                            s0 = (st.spec_rows, st.accepted_draft_tokens)
+                            c0 = (st.forward_seconds, st.draft_seconds, st.sample_seconds, st.busy_seconds, st.steps)
+                            tps, n_tok = tir_throughput(engine, sandbox, sv, prompts[:b], 1000 * r)
+                            runs.setdefault((mode, b, speculative), []).append(tps)
+                            n_tok = max(1, n_tok)
+                            split = [(getattr(st, k) - v) * 1e3 / n_tok for k, v in
+                                     zip(("forward_seconds", "draft_seconds", "sample_seconds", "busy_seconds"), c0)]
+                            costs.setdefault((mode, b, speculative), []).append(split + [(st.steps - c0[4]) / n_tok])
+                            if speculative:
+                                rows = st.spec_rows - s0[0]
+                                acc = st.accepted_draft_tokens - s0[1]
+                                spec_stats.setdefault((mode, b), []).append(1.0 + acc / rows if rows else 1.0)
+                            log(f"repeat {r + 1}/{repeats} {mode:>15} batch {b:>2} "
+                                f"{'with' if speculative else 'without'} drafter: {tps:.1f} tok/s")
+                finally:
+                    engine.shutdown()
+    finally:
+        sandbox.close()
     out = []
     for mode in modes:
         for b in batches:
             on, off = statistics.median(runs[(mode, b, True)]), statistics.median(runs[(mode, b, False)])
-            out.append({"mode": mode, "batch": b, "with_drafter_tok_s": round(on, 2), "without_tok_s": round(off, 2),
-                        "speedup": round(on / off, 3),
-                        "tokens_per_step": round(statistics.median(spec_stats[(mode, b)]), 3)})
+            row: dict[str, Any] = {"mode": mode, "batch": b, "with_drafter_tok_s": round(on, 2),
+                                   "without_tok_s": round(off, 2), "speedup": round(on / off, 3),
+                                   "tokens_per_step": round(statistics.median(spec_stats[(mode, b)]), 3)}
+            for flag, name in ((True, "with"), (False, "without")):  # where the time per token goes (medians)
+                cols = list(zip(*costs[(mode, b, flag)]))
+                row[f"{name}_ms_per_token"] = {k: round(statistics.median(c), 3) for k, c in
+                                               zip(("forward", "draft", "sample", "engine_busy", "steps_per_token"), cols)}
+            out.append(row)
     return out
 
 
@@ -109,10 +136,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--recipe", default="engines/mix.yaml")
     ap.add_argument("--engine", type=Path, default=None, help="engine folder (default: the recipe's build/embedded)")
     ap.add_argument("--batches", default="1,4,8")
-    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--tokens", type=int, default=256, help="max tokens per sample (all turns)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--device", default=None, help="auto | cpu | cuda[:N] (default: the engine folder's)")
     ap.add_argument("--problems", default="engines/problems/smoke.csv")
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads of the engine (default: every core)")
     ap.add_argument("--out", type=Path, default=Path("bench/speculative.json"))
     args = ap.parse_args(argv)
 
@@ -129,17 +157,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"bench.speculative: {engine_dir} has no drafter (drafter.kind: redrafter, then make build)",
               file=sys.stderr)
         return 2
-    s = recipe.serving.sampling
-    sampling = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=args.tokens)
     batches = [int(b) for b in args.batches.split(",")]
     dev = resolve_device(args.device or (spec.get("serving") or {}).get("device", "auto"))
-    rows = measure(engine_dir, batches, args.tokens, args.repeats, sampling, args.problems, str(dev))
+    rows = measure(engine_dir, batches, args.tokens, args.repeats, recipe.serving, args.problems, str(dev), args.threads)
     offline_file = recipe.layout.drafter / "acceptance.json"
     offline = json.loads(offline_file.read_text()) if offline_file.is_file() else None
     offline_tps = offline.get("tokens_per_step") if offline else None
     wins = [r["batch"] for r in rows if r["mode"] == "recipe sampling" and r["speedup"] > 1.0]
     report = {
-        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)",
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else
+        f"cpu ({args.threads or torch.get_num_threads()} threads)",
         "engine": str(engine_dir), "tokens": args.tokens, "repeats": args.repeats,
         "draft_len": (spec.get("drafter") or {}).get("draft_len_per_beam"),
         "offline_tokens_per_step": offline_tps, "rows": rows,

@@ -249,6 +249,10 @@ class EmbeddedEngine(EngineBase):
         # float32 on the CPU (bf16 matmuls are emulated without AVX-512 BF16); the model's dtype on a GPU
         dtype = torch.float32 if self.device.type == "cpu" else next(model.parameters()).dtype
         self.drafter = drafter.to(self.device, dtype).eval()
+        if self.device.type == "cpu":
+            from server.embedded.redrafter import int8_vocab_head
+
+            int8_vocab_head(self.drafter)
         self.embed = model.get_input_embeddings()
         spec = self.spec
         print(f"[embedded] speculative decoding: ReDrafter, {spec.num_beams} beam(s) x {spec.draft_len} draft tokens, "

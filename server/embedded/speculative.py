@@ -34,7 +34,7 @@ from server.protocol import SamplingParams
 
 # Largest running batch that still drafts, per device type, when the recipe leaves it at 0; above it
 # the engine decodes one token per step (measured by `make bench`, server/bench/speculative.py).
-DEFAULT_MAX_BATCH = {"cpu": 4, "cuda": 16}
+DEFAULT_MAX_BATCH = {"cpu": 4, "cuda": 8}
 
 
 @dataclass(frozen=True)
