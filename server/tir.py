@@ -4,9 +4,14 @@ Per turn the engine streams until the recipe's code-end tag (a stop string, matc
 the turn opened a code block, its code runs in the sandbox and the output block is appended
 verbatim after what the model wrote; the next turn continues from the exact token history (the
 prefix contract: `text` is byte for byte what the model produced plus the appended blocks, and the
-engine reuses the KV of that history). A sample ends at end-of-sequence, max tokens, max code
-calls (then it continues without the code-end stop), the deadline, or cancellation; its answer is
-the last \\boxed{} in whatever it wrote, a sample cut off by the deadline included.
+engine reuses the KV of that history). A sample ends at end-of-sequence, max tokens, the deadline,
+or cancellation; its answer is the last \\boxed{} in whatever it wrote, a sample cut off by the
+deadline included. Past `max_code_calls` a code block runs nothing: its output block says so
+(`code_limit_notice`), or, with an empty notice, the code-end tag stops being a stop string and the
+block stays plain text.
+
+With `stateful` (the default) each sample has one python session, started off the event loop at its
+first code block, so a later block sees the variables of an earlier one.
 """
 
 from __future__ import annotations
@@ -17,9 +22,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-from server.answers import last_boxed, normalize
+from server.answers import boxed_span, last_boxed, normalize
+from server.toolerrors import error_kind
 from trtbuild.core.chat import output_block
-from trtbuild.core.recipe import CodeTags
+from trtbuild.core.recipe import CodeTags, ServingSpec, SolverSpec
 from server.protocol import Delta, Engine, Final, Request, SamplingParams
 
 
@@ -29,6 +35,8 @@ class ToolCall:
     status: str
     seconds: float
     output: str  # what was fed back (capped)
+    error: str = ""  # the kind of failure, for the tool-error table (server.toolerrors); "" when it ran fine
+    cut: bool = False  # the output fed back is shorter than what the code printed
 
 
 @dataclass
@@ -47,6 +55,7 @@ class SampleTrace:
     prompt_tokens: int = 0
     entropy_sum: float = 0.0
     entropy_count: int = 0
+    local_entropy: Optional[float] = None  # mean over the tokens that end at the boxed answer (answer_window)
     generation_seconds: float = 0.0  # waiting on the engine
     tool_seconds: float = 0.0  # waiting on the sandbox
     client_seconds: float = 0.0  # this client's own work on streamed deltas (harness overhead)
@@ -95,12 +104,15 @@ def open_code(turn_text: str, tags: CodeTags) -> Optional[str]:
 
 class TIRClient:
     def __init__(self, engine: Engine, sandbox: Any, tags: CodeTags = CodeTags(), sampling: SamplingParams = SamplingParams(),
-                 max_code_calls: int = 4, output_chars: int = 200, tool_seconds: float = 10.0,
-                 stateful: bool = False, top_logprobs: int = 0, record_tokens: bool = False):
+                 max_code_calls: int = 4, output_chars: int = 1000, tool_seconds: float = 10.0,
+                 stateful: bool = True, top_logprobs: int = 0, record_tokens: bool = False,
+                 code_limit_notice: str = ServingSpec.code_limit_notice,
+                 answer_window: int = SolverSpec.answer_window):
         self.engine, self.sandbox, self.tags = engine, sandbox, tags
         self.record_tokens = record_tokens
         self.sampling, self.max_code_calls, self.output_chars = sampling, max_code_calls, output_chars
         self.tool_seconds, self.stateful, self.top_logprobs = tool_seconds, stateful, top_logprobs
+        self.code_limit_notice, self.answer_window = code_limit_notice, answer_window
 
     def output_block(self, feedback: str) -> str:
         return output_block(self.tags, feedback)
@@ -112,7 +124,8 @@ class TIRClient:
         trace = SampleTrace(sample=sample, seed=seed, prompt_tokens=len(prompt_ids), started=time.monotonic())
         history = list(prompt_ids)
         parts: list[str] = []
-        session = self.sandbox.session() if self.stateful else None
+        session: list[Any] = []  # the sample's python session, once its first code block needs it
+        token_entropy: list[tuple[int, float]] = []  # (end offset in the text, entropy) per generated token
         try:
             while True:
                 remaining = self.sampling.max_tokens - trace.tokens
@@ -126,8 +139,11 @@ class TIRClient:
                 params = SamplingParams(
                     temperature=self.sampling.temperature, top_p=self.sampling.top_p, top_k=self.sampling.top_k,
                     seed=seed * 1000 + trace.turns, max_tokens=remaining,
-                    stop=(self.tags.code_end,) if calls_left else (), top_logprobs=self.top_logprobs)
-                final = await self._turn(Request(tuple(history), params, f"s{seed}-t{trace.turns}", deadline), trace, cancelled)
+                    stop=(self.tags.code_end,) if calls_left or self.code_limit_notice else (),
+                    top_logprobs=self.top_logprobs)
+                base = sum(len(p) for p in parts)
+                final = await self._turn(Request(tuple(history), params, f"s{seed}-t{trace.turns}", deadline), trace,
+                                         cancelled, token_entropy, base)
                 trace.turns += 1
                 trace.tokens += len(final.token_ids)
                 trace.cached_tokens += final.cached_tokens
@@ -143,7 +159,10 @@ class TIRClient:
                 code = open_code(final.text, self.tags)
                 if code is None:
                     continue  # a stray code-end tag: keep generating
-                block = await self._call_tool(code, trace, session, deadline, cancelled)
+                if not calls_left:  # past the limit: nothing runs, the model is told so
+                    block = self.output_block(self.code_limit_notice)
+                else:
+                    block = await self._call_tool(code, trace, session, deadline, cancelled)
                 if block is None:
                     trace.finish = "cancelled" if cancelled.is_set() else "timeout"
                     break
@@ -153,21 +172,25 @@ class TIRClient:
                 if self.record_tokens:
                     trace.segments.append((block_ids, False))
         finally:
-            if session is not None:
-                session.close()
+            if session:
+                _close_when_started(session[0])
             trace.text = "".join(parts)
             trace.boxed = last_boxed(trace.text)
             trace.answer = normalize(trace.boxed, modulus)
+            trace.local_entropy = local_entropy(token_entropy, boxed_span(trace.text), self.answer_window)
             trace.seconds = time.monotonic() - trace.started
         return trace
 
-    async def _turn(self, request: Request, trace: SampleTrace, cancelled: asyncio.Event) -> Final:
-        """Stream one request; the cancel event ends it early (its Final still arrives)."""
+    async def _turn(self, request: Request, trace: SampleTrace, cancelled: asyncio.Event,
+                    token_entropy: list[tuple[int, float]], base: int) -> Final:
+        """Stream one request; the cancel event ends it early (its Final still arrives). Each token's
+        entropy goes to `token_entropy` with the text offset its delta ends at (`base` + this turn's text)."""
         stream = self.engine.generate(request)
         watcher = asyncio.ensure_future(cancelled.wait())
         watcher.add_done_callback(lambda _: self.engine.cancel(request.request_id))
         t0 = time.monotonic()
         waited = 0.0
+        offset = base
         try:
             while True:
                 w0 = time.monotonic()
@@ -178,18 +201,36 @@ class TIRClient:
                     trace.generation_seconds += time.monotonic() - t0
                     trace.client_seconds += time.monotonic() - t0 - waited
                     return ev
-                if isinstance(ev, Delta) and ev.logprobs:
-                    for top in ev.logprobs:
+                if isinstance(ev, Delta):
+                    offset += len(ev.text)
+                    for top in ev.logprobs or ():
                         if top:
-                            trace.entropy_sum += topk_entropy(top)
+                            h = topk_entropy(top)
+                            trace.entropy_sum += h
                             trace.entropy_count += 1
+                            token_entropy.append((offset, h))
         except StopAsyncIteration:
             return Final(request.request_id, "error", "", (), len(request.prompt), error="stream ended without a final message")
         finally:
             watcher.cancel()
             await stream.aclose()
 
-    async def _call_tool(self, code: str, trace: SampleTrace, session: Any, deadline: Optional[float],
+    async def _session(self, session: list[Any]) -> Any:
+        """The sample's session (started in a thread on first use: a worker takes ~1 s to start); None
+        when stateless. A session that cannot start is an error the caller reports like a tool error."""
+        if not self.stateful:
+            return None
+        if not session:  # the start is its own task: a cancelled call must not leak the session it started
+            session.append(asyncio.ensure_future(asyncio.to_thread(self.sandbox.session)))
+        try:
+            return await asyncio.shield(session[0])
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            session.clear()  # the next code block tries again
+            raise
+
+    async def _call_tool(self, code: str, trace: SampleTrace, session: list[Any], deadline: Optional[float],
                          cancelled: asyncio.Event) -> Optional[str]:
         """Run the code; the output block to append, or None when cancelled or out of time first."""
         timeout = self.tool_seconds
@@ -198,8 +239,12 @@ class TIRClient:
             if timeout <= 0:
                 return None
         t0 = time.monotonic()
-        runner = session.arun if session is not None else self.sandbox.arun
-        task = asyncio.ensure_future(runner(code, timeout))
+
+        async def execute() -> Any:
+            s = await self._session(session)
+            return await (s.arun if s is not None else self.sandbox.arun)(code, timeout)
+
+        task = asyncio.ensure_future(execute())
         stop = asyncio.ensure_future(cancelled.wait())
         done, _ = await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
         stop.cancel()
@@ -210,8 +255,31 @@ class TIRClient:
         try:
             result = task.result()
         except Exception as e:  # the sandbox itself failed: tell the model, keep the harness up
-            trace.code_calls.append(ToolCall(code, "error", time.monotonic() - t0, f"sandbox error: {e}"))
+            trace.code_calls.append(ToolCall(code, "error", time.monotonic() - t0, f"sandbox error: {e}",
+                                             f"sandbox: {type(e).__name__}"))
             return self.output_block(f"sandbox error: {type(e).__name__}")
         feedback = result.feedback(self.output_chars)
-        trace.code_calls.append(ToolCall(code, result.status, result.seconds, feedback))
+        cut = result.stdout.truncated or result.stderr.truncated or len(feedback) < len(result.feedback(1 << 30))
+        trace.code_calls.append(ToolCall(code, result.status, result.seconds, feedback, error_kind(result), cut))
         return self.output_block(feedback)
+
+
+def _close_when_started(start: "asyncio.Future[Any]") -> None:
+    """Close a sample's session now, or as soon as its start (still in its thread) completes."""
+    def close(f: "asyncio.Future[Any]") -> None:
+        if not f.cancelled() and f.exception() is None:
+            f.result().close()
+    if start.done():
+        close(start)
+    else:
+        start.add_done_callback(close)
+
+
+def local_entropy(token_entropy: list[tuple[int, float]], span: Optional[tuple[int, int]], window: int) -> Optional[float]:
+    """Mean entropy of the `window` generated tokens that end where the boxed answer ends (the
+    tokens that wrote the answer and the lead-up to it); None without logprobs or a boxed answer."""
+    if span is None or not token_entropy:
+        return None
+    upto = [h for end, h in token_entropy if end <= span[1] + 1]
+    near = upto[-window:] if upto else []
+    return sum(near) / len(near) if near else None

@@ -28,7 +28,7 @@ RUNTIME_FLOORS = (  # inside server/: module prefixes per floor, bottom up; anyt
     ("server.protocol", "server.textstream", "server.stream", "server.answers", "server.answer_latex", "server.budget"),
     ("server.embedded.", "server.trtllm.engine", "server.triton.engine", "server.triton.interface", "server.openai.engine",
      "server.backends"),
-    ("server.tir", "server.solver", "server.metrics", "server.problems", "server.assembly"),
+    ("server.toolerrors", "server.tir", "server.solver", "server.metrics", "server.problems", "server.assembly"),
 )
 
 
