@@ -46,6 +46,8 @@ def test_serving_defaults_are_the_anchors():
     s = ServingSpec()
     assert ToolSpec().stateful and s.output_chars == 1000 and "no more code will run" in s.code_limit_notice
     assert SolverSpec().weight_cap == 4.0 and SolverSpec().vote in ("majority", "entropy", "local_entropy")
+    r = load_recipe(ROOT / "engines" / "mix.yaml")
+    assert r.serving.tool.stateful and r.serving.output_chars == 1000 and r.serving.code_limit_notice
 
 
 @pytest.mark.parametrize("mutate, key, value", [
