@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
@@ -173,7 +174,7 @@ class TIRClient:
                     trace.segments.append((block_ids, False))
         finally:
             if session:
-                _close_when_started(session[0])
+                session[0].close()
             trace.text = "".join(parts)
             trace.boxed = last_boxed(trace.text)
             trace.answer = normalize(trace.boxed, modulus)
@@ -220,14 +221,14 @@ class TIRClient:
         when stateless. A session that cannot start is an error the caller reports like a tool error."""
         if not self.stateful:
             return None
-        if not session:  # the start is its own task: a cancelled call must not leak the session it started
-            session.append(asyncio.ensure_future(asyncio.to_thread(self.sandbox.session)))
+        if not session:
+            session.append(SessionStart(self.sandbox))
         try:
-            return await asyncio.shield(session[0])
+            return await session[0].wait()
         except asyncio.CancelledError:
             raise
         except Exception:
-            session.clear()  # the next code block tries again
+            session.pop().close()  # the next code block tries again
             raise
 
     async def _call_tool(self, code: str, trace: SampleTrace, session: list[Any], deadline: Optional[float],
@@ -264,15 +265,39 @@ class TIRClient:
         return self.output_block(feedback)
 
 
-def _close_when_started(start: "asyncio.Future[Any]") -> None:
-    """Close a sample's session now, or as soon as its start (still in its thread) completes."""
-    def close(f: "asyncio.Future[Any]") -> None:
-        if not f.cancelled() and f.exception() is None:
-            f.result().close()
-    if start.done():
-        close(start)
-    else:
-        start.add_done_callback(close)
+class SessionStart:
+    """A sample's session, started in a thread. `close()` closes it, now or, when the start is still
+    running (the sample was cancelled, or the event loop is gone), as soon as the thread has it:
+    the thread itself closes what nobody wants any more, so no session outlives its sample."""
+
+    def __init__(self, sandbox: Any):
+        self._sandbox = sandbox
+        self._lock = threading.Lock()
+        self._session: Any = None
+        self._abandoned = False
+        self._future: Optional["asyncio.Future[Any]"] = None
+
+    def _start(self) -> Any:
+        s = self._sandbox.session()
+        with self._lock:
+            keep = not self._abandoned
+            if keep:
+                self._session = s
+        if not keep:
+            s.close()
+        return s
+
+    async def wait(self) -> Any:
+        if self._future is None:
+            self._future = asyncio.ensure_future(asyncio.to_thread(self._start))
+        return await asyncio.shield(self._future)
+
+    def close(self) -> None:
+        with self._lock:
+            self._abandoned = True
+            s, self._session = self._session, None
+        if s is not None:
+            s.close()
 
 
 def local_entropy(token_entropy: list[tuple[int, float]], span: Optional[tuple[int, int]], window: int) -> Optional[float]:

@@ -216,3 +216,22 @@ def test_entropy_is_collected_from_top_logprobs(pool):
     eng = ScriptedEngine(lambda p, r: ["\\boxed{1}"], top_prob=lambda r: 0.5)
     t = run(client(eng, pool, top_logprobs=2).run(eng.tokenize("p"), 0, 1))
     assert t.entropy_count == len("\\boxed{1}") and t.mean_entropy is not None and abs(t.mean_entropy - 0.6931) < 1e-3
+
+
+def test_a_session_started_for_a_cancelled_sample_is_closed(pool):
+    # the session starts in a thread (~1 s); a sample cancelled meanwhile must not leak it
+    eng = ScriptedEngine(two_turn_script(["```python\nprint(1)\n```\n"], lambda out: ["x"]))
+
+    async def go():
+        ev = asyncio.Event()
+        task = asyncio.ensure_future(client(eng, pool).run(eng.tokenize("p"), 0, 1, cancelled=ev))
+        await asyncio.sleep(0.05)
+        ev.set()
+        return await task
+
+    t = run(go())
+    assert t.finish == "cancelled"
+    deadline = time.monotonic() + 10
+    while pool._sessions and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not pool._sessions
