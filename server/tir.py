@@ -10,8 +10,9 @@ deadline included. Past `max_code_calls` a code block runs nothing: its output b
 (`code_limit_notice`), or, with an empty notice, the code-end tag stops being a stop string and the
 block stays plain text.
 
-With `stateful` (the default) each sample has one python session, started off the event loop at its
-first code block, so a later block sees the variables of an earlier one.
+With `stateful` (the default) each sample has one python session, so a later block sees the
+variables of an earlier one. Its worker starts in a thread when the sample starts (~1 s here), so
+it is ready by the time the first turn has generated its code block, and the event loop never waits.
 """
 
 from __future__ import annotations
@@ -125,7 +126,8 @@ class TIRClient:
         trace = SampleTrace(sample=sample, seed=seed, prompt_tokens=len(prompt_ids), started=time.monotonic())
         history = list(prompt_ids)
         parts: list[str] = []
-        session: list[Any] = []  # the sample's python session, once its first code block needs it
+        # the sample's python session: its worker starts in a thread now, while the first turn generates
+        session: list[Any] = [SessionStart(self.sandbox).begin()] if self.stateful else []
         token_entropy: list[tuple[int, float]] = []  # (end offset in the text, entropy) per generated token
         try:
             while True:
@@ -217,8 +219,8 @@ class TIRClient:
             await stream.aclose()
 
     async def _session(self, session: list[Any]) -> Any:
-        """The sample's session (started in a thread on first use: a worker takes ~1 s to start); None
-        when stateless. A session that cannot start is an error the caller reports like a tool error."""
+        """The sample's session (waiting for its start if needed); None when stateless. A session that
+        cannot start is an error the caller reports like a tool error; the next code block tries again."""
         if not self.stateful:
             return None
         if not session:
@@ -287,10 +289,14 @@ class SessionStart:
             s.close()
         return s
 
-    async def wait(self) -> Any:
+    def begin(self) -> "SessionStart":
+        """Start the session in a thread (from inside the event loop); `wait` then gets it."""
         if self._future is None:
             self._future = asyncio.ensure_future(asyncio.to_thread(self._start))
-        return await asyncio.shield(self._future)
+        return self
+
+    async def wait(self) -> Any:
+        return await asyncio.shield(self.begin()._future)
 
     def close(self) -> None:
         with self._lock:

@@ -36,7 +36,7 @@ def answers_script(answers, lengths):
 
 def solve(pool, answers, lengths, cfg=SolverSpec(), deadline=None, step=0.002):
     eng = ScriptedEngine(answers_script(answers, lengths), step_seconds=step)
-    client = TIRClient(eng, pool, sampling=SamplingParams(temperature=0, max_tokens=100_000),
+    client = TIRClient(eng, pool, sampling=SamplingParams(temperature=0, max_tokens=100_000), stateful=False,
                        top_logprobs=2 if cfg.vote == "entropy" else 0)
     result = asyncio.run(Solver(eng, client, cfg).solve("p1", "problem", deadline, expected=3))
     return result, eng
