@@ -115,7 +115,9 @@ def summarize(results: list[dict[str, Any]], k: int) -> dict[str, Any]:
         "tool_timeout_rate": round(sum(s["tool_timeouts"] for s in samples) / max(1, calls), 4),
         "output_cut_rate": round(sum(s.get("output_cut", 0) for s in samples) / max(1, calls), 4),
         "code_calls": calls,
-        "tool_error_kinds": error_table([k for s in samples for k in s.get("error_kinds", [])], calls),
+        # error kinds, and "output cut" for calls whose output was cut to the cap (a limit to set from data too)
+        "tool_error_kinds": error_table([k for s in samples for k in s.get("error_kinds", [])]
+                                        + ["output cut"] * sum(s.get("output_cut", 0) for s in samples), calls),
         "no_answer_rate": round(sum(s["answer"] is None for s in samples) / max(1, len(samples)), 4),
         "seconds_per_problem": round(mean([r["seconds"] for r in results]), 2),
     }

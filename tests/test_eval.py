@@ -124,10 +124,12 @@ def test_tool_error_kinds_table_and_report():
     assert exception_kind("numpy.linalg.LinAlgError: Singular matrix") == "LinAlgError"
     assert error_table(["timeout", "NameError: sp", "timeout", ""], 8) == [("timeout", 2, 0.25), ("NameError: sp", 1, 0.125)]
     results = synthetic()
+    results[1]["samples"][0]["output_cut"] = 2
     s = summarize(results, 4)
-    assert s["tool_error_kinds"] == [("NameError: sp", 1, 0.125)] and s["code_calls"] == 8
+    assert s["tool_error_kinds"] == [("output cut", 2, 0.25), ("NameError: sp", 1, 0.125)] and s["code_calls"] == 8
     report = {"recipe": "r.yaml", "data": "p.csv", "k": 4, "problems": 2, "date": "2026-12-03", "machine": "test",
               "variants": {"x@before": {"summary": s}, "x@after": {"summary": summarize(synthetic()[1:], 4)}}}
+    assert s["output_cut_rate"] == 0.25
     md = markdown(report, [])
     assert "| NameError: sp | 1 (12.5%) | 0 |" in md and "| code calls | 8 | 4 |" in md
 
