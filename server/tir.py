@@ -11,8 +11,10 @@ deadline included. Past `max_code_calls` a code block runs nothing: its output b
 block stays plain text.
 
 With `stateful` (the default) each sample has one python session, so a later block sees the
-variables of an earlier one. Its worker starts in a thread when the sample starts (~1 s here), so
-it is ready by the time the first turn has generated its code block, and the event loop never waits.
+variables of an earlier one. Its worker starts in a thread at the sample's first generated token
+(~1 s here), so it is ready by the time the first turn has written its code block and the event loop
+never waits; samples still queued in the engine start none (a run of 128 queued samples would
+otherwise start 128 workers at once).
 """
 
 from __future__ import annotations
@@ -126,8 +128,9 @@ class TIRClient:
         trace = SampleTrace(sample=sample, seed=seed, prompt_tokens=len(prompt_ids), started=time.monotonic())
         history = list(prompt_ids)
         parts: list[str] = []
-        # the sample's python session: its worker starts in a thread now, while the first turn generates
-        session: list[Any] = [SessionStart(self.sandbox).begin()] if self.stateful else []
+        # the sample's python session: its worker starts in a thread at the sample's first generated token
+        # (so while the first turn generates, and only for samples the engine is serving, not queued ones)
+        session: list[Any] = [SessionStart(self.sandbox)] if self.stateful else []
         token_entropy: list[tuple[int, float]] = []  # (end offset in the text, entropy) per generated token
         try:
             while True:
@@ -146,7 +149,7 @@ class TIRClient:
                     top_logprobs=self.top_logprobs)
                 base = sum(len(p) for p in parts)
                 final = await self._turn(Request(tuple(history), params, f"s{seed}-t{trace.turns}", deadline), trace,
-                                         cancelled, token_entropy, base)
+                                         cancelled, token_entropy, base, session[0] if session else None)
                 trace.turns += 1
                 trace.tokens += len(final.token_ids)
                 trace.cached_tokens += final.cached_tokens
@@ -185,9 +188,10 @@ class TIRClient:
         return trace
 
     async def _turn(self, request: Request, trace: SampleTrace, cancelled: asyncio.Event,
-                    token_entropy: list[tuple[int, float]], base: int) -> Final:
+                    token_entropy: list[tuple[int, float]], base: int, starter: Optional["SessionStart"] = None) -> Final:
         """Stream one request; the cancel event ends it early (its Final still arrives). Each token's
-        entropy goes to `token_entropy` with the text offset its delta ends at (`base` + this turn's text)."""
+        entropy goes to `token_entropy` with the text offset its delta ends at (`base` + this turn's text);
+        the first delta begins `starter` (the sample's session)."""
         stream = self.engine.generate(request)
         watcher = asyncio.ensure_future(cancelled.wait())
         watcher.add_done_callback(lambda _: self.engine.cancel(request.request_id))
@@ -205,6 +209,9 @@ class TIRClient:
                     trace.client_seconds += time.monotonic() - t0 - waited
                     return ev
                 if isinstance(ev, Delta):
+                    if starter is not None:
+                        starter.begin()
+                        starter = None
                     offset += len(ev.text)
                     for top in ev.logprobs or ():
                         if top:

@@ -235,3 +235,31 @@ def test_a_session_started_for_a_cancelled_sample_is_closed(pool):
     while pool._sessions and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not pool._sessions
+
+
+class CountingSandbox:
+    """Test double around the real pool: counts the sessions asked for."""
+
+    def __init__(self, pool):
+        self.pool, self.sessions = pool, 0
+
+    def session(self):
+        self.sessions += 1
+        return self.pool.session()
+
+    async def arun(self, code, timeout=None):
+        return await self.pool.arun(code, timeout)
+
+
+def test_a_session_starts_at_the_first_token_not_while_queued(pool):
+    sandbox = CountingSandbox(pool)
+    eng = ScriptedEngine(two_turn_script(["```python\nx = 6\n```\n"], lambda out: ["\\boxed{6}"]), step_seconds=0.4)
+
+    async def go():
+        task = asyncio.ensure_future(client(eng, sandbox).run(eng.tokenize("p"), 0, 1))
+        await asyncio.sleep(0.2)
+        queued = sandbox.sessions  # no token yet: like a sample waiting in the engine's queue
+        return queued, await task
+
+    queued, t = run(go())
+    assert queued == 0 and sandbox.sessions == 1 and t.answer == 6 and t.code_calls[0].status == "ok"
