@@ -64,3 +64,15 @@ def test_boxed_span_and_is_list():
     start, end = boxed_span(text)
     assert text[start:end] == "\\boxed{\\frac{84}{2}}" and last_boxed(text) == "\\frac{84}{2}"
     assert is_list("2, 3") and not is_list("1,000") and not is_list("1{,}000")
+
+
+def test_without_math_verify_latex_forms_give_no_vote_and_one_warning(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "math_verify", None)  # import fails as if not installed
+    monkeypatch.setattr(answer_latex, "_missing_warned", False)
+    answer_latex.latex_integer.cache_clear()
+    with pytest.warns(RuntimeWarning, match="math-verify is not installed"):
+        assert normalize("\\dfrac{84}{2}") is None
+    assert normalize("1,000") == 1000  # plain forms never need it
+    answer_latex.latex_integer.cache_clear()
