@@ -50,7 +50,7 @@ help:
 	@echo "make solve BACKEND=triton  solve through a running Triton server (TRITON_URL=$(TRITON_URL))"
 	@echo "make serve MODEL=mix       OpenAI-compatible HTTP server on http://$(HOST):$(PORT)/v1 (BACKEND=auto|embedded|trtllm|triton|openai)"
 	@echo "make solve BACKEND=openai URL=h1:8000,h2:8000   solve through OpenAI-compatible servers (trtllm-serve, vLLM, SGLang, make serve)"
-	@echo "make eval MODEL=mix        K samples per problem for each variant (DATA=, K=, VARIANTS=), report + plots + replay"
+	@echo "make eval MODEL=mix        K samples per problem for each variant (DATA=, K=, VARIANTS=, TOOL_SETTINGS=), report + plots + replay"
 	@echo "make kaggle MODEL=mix      Kaggle dataset folder + notebook ($(OUT)/kaggle), then the notebook run offline with the local gateway"
 	@echo "make doctor MODEL=mix      which backends this machine can use, and why not (TRTLLM_PYTHON=...)"
 	@echo "make gpu-smoke             GPU host: build tiny bf16/FP8 engines with TensorRT-LLM and check them"
@@ -170,9 +170,12 @@ DATA ?= $(PROBLEMS)
 K ?= 6
 MAX_TOKENS ?= 192
 VARIANTS ?=
+# TOOL_SETTINGS=before=stateless/200/5,after=stateful/1000/10: each variant under each tool setting, side by side
+TOOL_SETTINGS ?=
 eval: build
 	$(PY) -m server.evaluate --recipe $(RECIPE) --data $(DATA) --k $(K) --max-tokens $(MAX_TOKENS) --seconds 90 \
-		--variants "$(VARIANTS)" --out runs/$(MODEL)/eval $(if $(URL),--url $(URL))
+		--variants "$(VARIANTS)" --out runs/$(MODEL)/eval $(if $(URL),--url $(URL)) \
+		$(if $(TOOL_SETTINGS),--tool-settings "$(TOOL_SETTINGS)")
 	$(PY) -m server.replay --eval runs/$(MODEL)/eval/eval.json --out runs/$(MODEL)/eval/replay.json
 
 # the Kaggle dataset folder (wheels, engine, problems, notebook); KAGGLE_WHEELS=project ships only our wheel.

@@ -126,9 +126,21 @@ def _trimmed_traceback(exc):
 
 
 def _compile(code):
+    """(code object for the cell, code object for its trailing expression or None).
+
+    As in a notebook, a cell whose last statement is an expression shows that expression's value
+    (its repr, unless it is None or the line ends with ';'): a block ending in `math.comb(10, 3)`
+    shows 120. Line numbers stay those of the cell, so tracebacks point at the model's lines.
+    """
+    import ast
+
     name = CELL_FILE
     linecache.cache[name] = (len(code), None, code.splitlines(True), name)
-    return compile(code, name, "exec")
+    tree = ast.parse(code, name, "exec")
+    last = None
+    if tree.body and isinstance(tree.body[-1], ast.Expr) and not code.rstrip().endswith(";"):
+        last = compile(ast.Expression(tree.body.pop().value), name, "eval")
+    return compile(tree, name, "exec"), last
 
 
 def _apply_limits(limits, inline=False):
@@ -286,7 +298,12 @@ def _run_code(code, glob):
     """Run one cell's code in `glob`; (status dict). Prints the trimmed traceback or exit message."""
     status = {"kind": "exit", "code": 0}
     try:
-        exec(_compile(code), glob)
+        body, last = _compile(code)
+        exec(body, glob)
+        if last is not None:
+            value = eval(last, glob)
+            if value is not None:
+                print(repr(value))
     except CellTimeout:
         status = {"kind": "timeout"}
     except SystemExit as e:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 Status = Literal["ok", "error", "timeout", "killed", "output_truncated"]
 
@@ -34,15 +34,18 @@ class Stream:
             return f"{self.head}\n[... {self.omitted} bytes omitted ...]\n{self.tail}"
         return self.head + self.tail
 
-    def capped(self, max_chars: int) -> str:
-        """At most ~max_chars of the stream: its start and its end around a marker with the true count."""
+    def capped(self, max_chars: int, escape: Callable[[str], str] = lambda s: s) -> str:
+        """At most max_chars of the stream (after `escape`): its start and its real end around a
+        marker with the true count of bytes left out."""
         if not self.omitted:
-            return cap_text(self.head + self.tail, max_chars)
-        marker_budget = 48
-        keep = max(0, max_chars - marker_budget)
-        head = self.head[: keep * 2 // 3]
-        tail = self.tail[len(self.tail) - (keep - len(head)):] if keep - len(head) > 0 else ""
-        dropped = self.total - len(head.encode()) - len(tail.encode())
+            return cap_text(escape(self.head + self.tail), max_chars)
+        head_src, tail_src = escape(self.head), escape(self.tail)
+        keep = max(0, max_chars - 48)
+        head = head_src[: keep * 2 // 3]
+        n_tail = keep - len(head)
+        tail = tail_src[len(tail_src) - n_tail:] if n_tail > 0 else ""
+        # bytes of the stream not shown: the omitted middle plus what was cut of head and tail
+        dropped = self.total - _raw_bytes(self.head, head_src, len(head)) - _raw_bytes(self.tail, tail_src, len(tail), end=True)
         return f"{head}\n[... {dropped} bytes omitted ...]\n{tail}"
 
     @classmethod
@@ -69,27 +72,36 @@ class CellResult:
         return self.status in ("ok", "output_truncated")
 
     def feedback(self, max_chars: int = 1000) -> str:
-        """Text for the model's output block: stdout, then the error, capped to `max_chars`.
+        """Text for the model's output block: stdout, then the error, within `max_chars`.
 
         Long output keeps its beginning and its end around an explicit marker, so the model sees
-        both how the output started and how it finished.
+        both how the output started and how it finished. The error goes last and its exception
+        line (type and the start of its message) always arrives, however long the message or the
+        traceback: that line is what the model most needs (see `cap_error`).
         """
-        parts = []
+        notices = []
+        err = ""
         if self.status == "timeout":
-            parts.append(f"TimeoutError: the code ran longer than the time limit ({self.seconds:.1f}s) and was stopped")
+            notices.append(f"TimeoutError: the code ran longer than the time limit ({self.seconds:.1f}s) and was stopped")
         elif self.status == "killed":
             why = ": ".join(p for p in (self.signal, self.reason) if p) or "cause unknown"
-            parts.append(f"The process was killed ({why})")
+            notices.append(f"The process was killed ({why})")
         elif self.status == "error":
-            err = self.stderr.text.strip() or f"process exited with code {self.exit_code}"
-            parts.append(err)
+            err = escape_controls(self.stderr.text.strip()) or f"process exited with code {self.exit_code}"
         if self.note:
-            parts.append(self.note)
-        tail_text = "\n".join(p.rstrip("\n") for p in parts if p)
-        # the error/notice is what the model most needs: keep it whole, cap stdout around it
-        room = max(max_chars // 2, max_chars - len(tail_text) - 1)
-        out = self.stdout.capped(room).rstrip("\n")
-        return cap_text(escape_controls("\n".join(p for p in (out, tail_text) if p)), max_chars)
+            notices.append(self.note)
+        notice = _cap_head(escape_controls("\n".join(n.rstrip("\n") for n in notices)), max(1, max_chars * 2 // 3))
+        out_full = self.stdout.capped(10 ** 9, escape_controls).rstrip("\n")
+        room = max_chars - len(notice) - (1 if notice else 0)
+        if err:
+            # the error gets what stdout leaves, at least half; stdout at most what the error leaves
+            err_room = max(room // 2, room - len(out_full) - 1)
+            err = cap_error(err, err_room)
+            room -= len(err) + 1
+        out = self.stdout.capped(max(0, room), escape_controls).rstrip("\n") if len(out_full) > room else out_full
+        if room <= 0:
+            out = ""
+        return "\n".join(p for p in (out, err, notice) if p)
 
 
 _CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
@@ -141,3 +153,63 @@ def from_reply(reply: dict[str, Any], queue_seconds: float, total_seconds: float
     note = f"[{reason}]" if reason and status != "killed" else ""
     return CellResult(status, out, err, code, sig, reply.get("seconds", 0.0), queue_seconds, total_seconds,
                       note=note, reason=reason if status == "killed" else "")
+
+
+def _raw_bytes(raw: str, escaped: str, shown: int, end: bool = False) -> int:
+    """Bytes of `raw` behind the first (or, with `end`, last) `shown` characters of its escaped form."""
+    if shown >= len(escaped):
+        return len(raw.encode())
+    if escaped == raw:
+        part = raw[len(raw) - shown:] if end else raw[:shown]
+        return len(part.encode()) if shown else 0
+    return round(len(raw.encode()) * shown / max(1, len(escaped)))  # escapes present: proportional estimate
+
+
+_EXC_LINE = re.compile(r"^[A-Za-z_][\w.]*(?::|$)")
+
+
+def split_error(text: str) -> tuple[str, str]:
+    """(traceback, exception) of a python error text: the exception is the last non-indented block
+    (type, colon, message, which may span lines), the traceback everything before it."""
+    lines = text.split("\n")
+    start = None
+    for i in range(len(lines) - 1, -1, -1):
+        line = lines[i]
+        if _EXC_LINE.match(line) and not line.startswith(("Traceback (most recent call last)", "During handling",
+                                                          "The above exception")):
+            start = i
+            # a multi-line message: earlier non-indented lines that are not a traceback header belong to it
+            if i == 0 or lines[i - 1].startswith((" ", "Traceback", "\t")) or not lines[i - 1].strip():
+                break
+    if start is None:
+        return "", text
+    return "\n".join(lines[:start]), "\n".join(lines[start:])
+
+
+def cap_error(text: str, max_chars: int) -> str:
+    """An error text within max_chars that keeps its exception line first in priority: the type
+    and the start of the message, then the end of the message, then the innermost frames."""
+    if len(text) <= max_chars:
+        return text
+    frames, exc = split_error(text)
+    exc = _cap_head(exc, max_chars * 2 // 3 if frames and max_chars >= 150 else max_chars)
+    room = max_chars - len(exc) - 1
+    marker = "[... traceback cut ...]\n"
+    if not frames or room < len(marker) + 16:
+        return exc
+    if len(frames) > room:
+        frames = marker + frames[len(frames) - (room - len(marker)):]
+    return frames + "\n" + exc
+
+
+def _cap_head(text: str, max_chars: int) -> str:
+    """Mostly the start of `text` (where the exception type and message begin), a little of its end."""
+    if len(text) <= max_chars:
+        return text
+    if max_chars < 100:
+        return text[: max(0, max_chars - 6)] + " [...]"
+    marker = "\n[... {} characters omitted ...]\n"
+    keep = max_chars - len(marker) - 8
+    head = text[: keep * 3 // 4]
+    tail = text[len(text) - (keep - len(head)):]
+    return head + marker.format(len(text) - len(head) - len(tail)) + tail

@@ -29,17 +29,20 @@ def sandbox_for(tool: ToolSpec, **config: Any) -> Any:
 
 
 def tir_client(serving: ServingSpec, engine: Any, sandbox: Any, max_tokens: Optional[int] = None,
-               record_tokens: bool = False) -> Any:
+               record_tokens: bool = False, logprobs: bool = False) -> Any:
+    """The TIR client of a serving section; `logprobs` asks for them whatever the vote (evaluation
+    records entropies so the replay can compare votes)."""
     from server.tir import TIRClient
 
     v = serving.solver
     return TIRClient(engine, sandbox, serving.code_tags, sampling_params(serving, max_tokens), serving.max_code_calls,
                      serving.output_chars, serving.tool.wall_seconds, serving.tool.stateful,
-                     v.top_logprobs if v.vote == "entropy" else 0, record_tokens=record_tokens)
+                     v.top_logprobs if v.vote != "majority" or logprobs else 0, record_tokens=record_tokens,
+                     code_limit_notice=serving.code_limit_notice, answer_window=v.answer_window)
 
 
 def build_solver(serving: ServingSpec, engine: Any, sandbox: Any, samples: Optional[int] = None,
-                 all_samples: bool = False) -> Any:
+                 all_samples: bool = False, logprobs: bool = False) -> Any:
     """The solver of a serving section; `samples` overrides the count, `all_samples` turns early
     stopping off (evaluation wants every sample)."""
     from server.solver import Solver, with_samples
@@ -48,4 +51,4 @@ def build_solver(serving: ServingSpec, engine: Any, sandbox: Any, samples: Optio
     if all_samples:
         n = spec.samples
         spec = replace(spec, early_stop_first=n, early_stop_agree=n, enough_finished=n)
-    return Solver(engine, tir_client(serving, engine, sandbox), spec, serving.system_prompt)
+    return Solver(engine, tir_client(serving, engine, sandbox, logprobs=logprobs), spec, serving.system_prompt)

@@ -6,9 +6,15 @@
 Every variant (a source, the merged bf16 model, each quantized export) answers every problem with k
 samples run to completion (no early stop), through the real embedded engine, TIR client and sandbox.
 The report gives maj@k and pass@k for k = 1..K, computed exactly over all k-subsets; mean reply
-length; code calls per solution; tool error and timeout rates; the no-answer rate. It writes
-`eval.json` (every sample, for `server.replay`), `report.md`, and plots: accuracy vs k, accuracy vs
-wall-clock seconds per problem, reply-length distributions.
+length; code calls per solution; tool error and timeout rates; the no-answer rate; and a table of
+tool-error kinds (NameError by name, ImportError by module, timeouts, output cut), so preimports and
+limits are set from data. It writes `eval.json` (every sample with its entropies, for
+`server.replay`), `report.md`, and plots: accuracy vs k, accuracy vs wall-clock seconds per
+problem, reply-length distributions.
+
+`--tool-settings before=stateless/200/5,after=stateful/1000/10` runs every variant under each named
+tool setting (session kind / output characters fed back / seconds per call), side by side as
+`<variant>@<setting>` columns: how the harness defaults are chosen from measurement.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from server.metrics import accuracy_at_budget, maj_at_k, pass_at_k
+from server.toolerrors import error_table
 
 
 def variant_dirs(recipe: Any) -> dict[str, Path]:
@@ -40,14 +47,43 @@ def sample_record(t: Any, t0: float) -> dict[str, Any]:
     return {"answer": t.answer, "tokens": t.tokens, "finish": t.finish, "seconds": round(t.seconds, 3),
             "finished_at": round(t.started - t0 + t.seconds, 3), "code_calls": len(statuses),
             "tool_errors": sum(s in ("error", "killed") for s in statuses),
-            "tool_timeouts": sum(s == "timeout" for s in statuses)}
+            "tool_timeouts": sum(s == "timeout" for s in statuses),
+            "error_kinds": [c.error for c in t.code_calls if c.error],
+            "output_cut": sum(c.cut for c in t.code_calls), "tool_seconds": round(t.tool_seconds, 3),
+            "mean_entropy": t.mean_entropy, "local_entropy": t.local_entropy}
+
+
+def parse_tool_settings(text: str) -> dict[str, tuple[bool, int, float]]:
+    """'before=stateless/200/5,after=stateful/1000/10' -> {name: (stateful, output_chars, seconds)}."""
+    out = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        name, _, spec = item.partition("=")
+        parts = spec.split("/")
+        try:
+            if not name or len(parts) != 3 or parts[0] not in ("stateful", "stateless"):
+                raise ValueError
+            out[name] = (parts[0] == "stateful", int(parts[1]), float(parts[2]))
+        except ValueError:
+            raise ValueError(f"--tool-settings: {item!r} is not NAME=stateful|stateless/CHARS/SECONDS") from None
+        if out[name][1] < 1 or out[name][2] <= 0:
+            raise ValueError(f"--tool-settings: {item!r}: characters must be >= 1 and seconds > 0")
+    return out
+
+
+def with_tool_setting(serving: Any, setting: tuple[bool, int, float]) -> Any:
+    """`serving` with the tool setting (stateful, output_chars, seconds per call)."""
+    import dataclasses
+
+    stateful, chars, seconds = setting
+    return dataclasses.replace(serving, output_chars=chars,
+                               tool=dataclasses.replace(serving.tool, stateful=stateful, wall_seconds=seconds))
 
 
 async def _run_variant(engine: Any, sandbox: Any, serving: Any, problems: list, k: int, seconds: float,
                        log: Any) -> list[dict[str, Any]]:
     from server.assembly import build_solver
 
-    solver = build_solver(serving, engine, sandbox, k, all_samples=True)
+    solver = build_solver(serving, engine, sandbox, k, all_samples=True, logprobs=True)
     out = []
     for i, p in enumerate(problems, start=1):
         t0 = time.monotonic()
@@ -77,6 +113,11 @@ def summarize(results: list[dict[str, Any]], k: int) -> dict[str, Any]:
         "code_calls_per_solution": round(calls / max(1, len(samples)), 3),
         "tool_error_rate": round(sum(s["tool_errors"] for s in samples) / max(1, calls), 4),
         "tool_timeout_rate": round(sum(s["tool_timeouts"] for s in samples) / max(1, calls), 4),
+        "output_cut_rate": round(sum(s.get("output_cut", 0) for s in samples) / max(1, calls), 4),
+        "code_calls": calls,
+        # error kinds, and "output cut" for calls whose output was cut to the cap (a limit to set from data too)
+        "tool_error_kinds": error_table([k for s in samples for k in s.get("error_kinds", [])]
+                                        + ["output cut"] * sum(s.get("output_cut", 0) for s in samples), calls),
         "no_answer_rate": round(sum(s["answer"] is None for s in samples) / max(1, len(samples)), 4),
         "seconds_per_problem": round(mean([r["seconds"] for r in results]), 2),
     }
@@ -133,12 +174,34 @@ def markdown(report: dict[str, Any], files: list[str]) -> str:
         lines.append(f"| pass@{j} | " + " | ".join(f"{s[n]['pass_at_k'][str(j)]:.3f}" for n in names) + " |")
     for key, label in (("reply_tokens_mean", "mean reply tokens"), ("code_calls_per_solution", "code calls / solution"),
                        ("tool_error_rate", "tool error rate"), ("tool_timeout_rate", "tool timeout rate"),
+                       ("output_cut_rate", "output cut rate"),
                        ("no_answer_rate", "no-answer rate"), ("seconds_per_problem", "seconds / problem (k samples)")):
-        lines.append(f"| {label} | " + " | ".join(f"{s[n][key]}" for n in names) + " |")
+        lines.append(f"| {label} | " + " | ".join(f"{s[n].get(key, '')}" for n in names) + " |")
+    lines += ["", *tool_error_lines(s, names)]
     lines += ["", f"Generated {report['date']} on {report['machine']}; maj@k and pass@k are exact over all k-subsets "
               "(ties go to the answer of the lowest-numbered sample, as the solver's vote).", ""]
     lines += [f"![{f}]({f})" for f in files]
     return "\n".join(lines) + "\n"
+
+
+def tool_error_lines(summaries: dict[str, dict[str, Any]], names: list[str], top: int = 15) -> list[str]:
+    """The tool-error table: per kind, count (share of code calls) per column; the most frequent first."""
+    totals: dict[str, int] = {}
+    for n in names:
+        for kind, count, _ in summaries[n].get("tool_error_kinds", []):
+            totals[kind] = totals.get(kind, 0) + count
+    if not totals:
+        return ["No tool errors (" + ", ".join(f"{n}: {summaries[n].get('code_calls', 0)} code calls" for n in names) + ")."]
+    lines = ["Tool errors by kind, count (share of code calls):", "",
+             "| kind | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for kind in sorted(totals, key=lambda k: (-totals[k], k))[:top]:
+        cells = []
+        for n in names:
+            row = next((r for r in summaries[n].get("tool_error_kinds", []) if r[0] == kind), None)
+            cells.append(f"{row[1]} ({row[2]:.1%})" if row else "0")
+        lines.append(f"| {kind} | " + " | ".join(cells) + " |")
+    lines.append("| code calls | " + " | ".join(str(summaries[n].get("code_calls", 0)) for n in names) + " |")
+    return lines
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -150,6 +213,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--seconds", type=float, default=120.0, help="deadline per problem and variant")
     ap.add_argument("--max-tokens", type=int, default=None, help="cap each sample's tokens (default: the recipe's)")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--tool-settings", default="", help="run each variant under these named tool settings, side by "
+                                                         "side: NAME=stateful|stateless/CHARS/SECONDS[,...]")
     ap.add_argument("--url", default="", help="evaluate what OpenAI-compatible server(s) serve (comma-separated "
                                              "replicas; one variant, 'served') instead of the recipe's variants")
     args = ap.parse_args(argv)
@@ -164,6 +229,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         recipe = load_recipe(args.recipe)
         problems = read_problems(args.data)
+        settings = parse_tool_settings(args.tool_settings)
     except (RecipeError, ValueError, FileNotFoundError) as e:
         print(f"eval: {e}", file=sys.stderr)
         return 2
@@ -182,13 +248,22 @@ def main(argv: Optional[list[str]] = None) -> int:
     out = args.out or Path("runs") / recipe.name / "eval"
     out.mkdir(parents=True, exist_ok=True)
     t = recipe.serving.tool
+    if settings:
+        import dataclasses
+
+        t = dataclasses.replace(t, wall_seconds=max(s[2] for s in settings.values()))
+    runs = [(name, "", serving) for name in names] if not settings else [
+        (name, f"@{label}", with_tool_setting(serving, setting)) for name in names for label, setting in settings.items()]
     report: dict[str, Any] = {"recipe": str(args.recipe), "data": str(args.data), "k": args.k,
                               "max_tokens": serving.sampling.max_tokens, "seconds_per_problem": args.seconds,
                               "problems": len(problems), "date": time.strftime("%Y-%m-%d"),
-                              "machine": f"{platform.machine()}, {os.cpu_count()} cores", "variants": {}}
+                              "machine": f"{platform.machine()}, {os.cpu_count()} cores", "variants": {},
+                              "tool_settings": {k: {"stateful": v[0], "output_chars": v[1], "seconds": v[2]}
+                                                for k, v in settings.items()}}
     with sandbox_for(t) as pool:
-        for name in names:
-            log(f"[eval] {name}: {dirs[name]}")
+        for name, suffix, run_serving in runs:
+            log(f"[eval] {name}{suffix}: {dirs[name]} (stateful {run_serving.tool.stateful}, "
+                f"{run_serving.output_chars} characters, {run_serving.tool.wall_seconds} s per call)")
             if args.url:
                 from server.backends import open_for_recipe
 
@@ -201,19 +276,20 @@ def main(argv: Optional[list[str]] = None) -> int:
                 engine = EmbeddedEngine.from_dir(dirs[name])
             try:
                 t0 = time.monotonic()
-                results = asyncio.run(_run_variant(engine, pool, serving, problems, args.k, args.seconds, log))
+                results = asyncio.run(_run_variant(engine, pool, run_serving, problems, args.k, args.seconds, log))
             finally:
                 engine.shutdown()
-            report["variants"][name] = {"dir": args.url or str(dirs[name]), "results": results, "summary": summarize(results, args.k),
-                                        "seconds": round(time.monotonic() - t0, 1)}
+            report["variants"][name + suffix] = {"dir": args.url or str(dirs[name]), "results": results,
+                                                 "summary": summarize(results, args.k),
+                                                 "seconds": round(time.monotonic() - t0, 1)}
             stats = getattr(engine, "stats", None)
             spec = stats.speculative() if stats is not None and hasattr(stats, "speculative") else None
             if spec:
-                report["variants"][name]["speculative"] = spec
-                log(f"[eval] {name}: speculative decoding {spec['tokens_per_step']:.2f} tokens per step, "
+                report["variants"][name + suffix]["speculative"] = spec
+                log(f"[eval] {name}{suffix}: speculative decoding {spec['tokens_per_step']:.2f} tokens per step, "
                     f"{100 * spec['acceptance']:.0f}% of drafts accepted")
-            s = report["variants"][name]["summary"]
-            log(f"[eval] {name}: maj@{args.k} {s['maj_at_k'][str(args.k)]:.3f}, pass@{args.k} "
+            s = report["variants"][name + suffix]["summary"]
+            log(f"[eval] {name}{suffix}: maj@{args.k} {s['maj_at_k'][str(args.k)]:.3f}, pass@{args.k} "
                 f"{s['pass_at_k'][str(args.k)]:.3f}, {s['reply_tokens_mean']} tokens, "
                 f"{s['code_calls_per_solution']} code calls per solution")
     finishes = sorted(s["finished_at"] for v in report["variants"].values() for r in v["results"] for s in r["samples"])

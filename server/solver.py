@@ -9,12 +9,18 @@ Rules (defaults are the AIMO-2 winners'):
   problem);
 - vote over every sample with an integer answer, a cut-off one included: `majority` counts votes,
   `entropy` weights each by 1 / its mean token entropy (top-k logprobs; confident samples count
-  more). Ties go to the answer whose first vote came first. No answer at all: `default_answer`.
+  more), `local_entropy` by 1 / the mean entropy of the tokens that end at its boxed answer (the
+  AIMO-3 runner-up's weighting: how sure the sample was when it wrote the answer). Ties go to the
+  answer whose first vote came first. No answer at all: `default_answer`.
+- entropy weights resist degenerate samples: a repetition loop is very confident (entropy ~1e-5),
+  so no weight may exceed `weight_cap` x the median weight of the problem's samples; a sample
+  without logprobs weighs that median (not 1.0 against confident samples' 20).
 """
 
 from __future__ import annotations
 
 import asyncio
+import statistics
 import time
 import zlib
 from collections import Counter
@@ -79,16 +85,29 @@ def tally(answers: Sequence[Optional[int]], weights: Optional[Sequence[float]] =
     return min(totals, key=lambda a: (-totals[a], first_seen[a])), totals
 
 
-def entropy_weight(trace: SampleTrace) -> float:
-    """1 / mean token entropy (a sample without logprobs counts as entropy 1)."""
-    e = trace.mean_entropy
-    return 1.0 / max(e if e is not None else 1.0, MIN_ENTROPY)
+def entropy_weights(entropies: Sequence[Optional[float]], cap: float = 4.0) -> list[float]:
+    """1 / entropy per sample, each at most `cap` x the median weight of those with an entropy; a
+    sample without one (None) weighs that median. No entropy at all: every sample weighs 1."""
+    raw = [None if e is None else 1.0 / max(e, MIN_ENTROPY) for e in entropies]
+    known = [w for w in raw if w is not None]
+    if not known:
+        return [1.0] * len(raw)
+    median = statistics.median(known)
+    return [median if w is None else min(w, cap * median) for w in raw]
 
 
-def vote(traces: list[SampleTrace], method: str = "majority") -> tuple[Optional[int], dict[int, float]]:
-    """(winner, weight per answer); traces in the order they ended (the tie rule uses it)."""
-    weights = [entropy_weight(t) for t in traces] if method == "entropy" else None
-    return tally([t.answer for t in traces], weights)
+def sample_entropy(trace: SampleTrace, method: str) -> Optional[float]:
+    """The entropy a vote method weights a sample by: mean over all its tokens, or near its answer."""
+    return trace.local_entropy if method == "local_entropy" else trace.mean_entropy
+
+
+def vote(traces: list[SampleTrace], method: str = "majority", cap: float = 4.0) -> tuple[Optional[int], dict[int, float]]:
+    """(winner, weight per answer); traces in the order they ended (the tie rule uses it). Only
+    samples with an answer enter the weights' median."""
+    if method == "majority":
+        return tally([t.answer for t in traces])
+    voters = [t for t in traces if t.answer is not None]
+    return tally([t.answer for t in voters], entropy_weights([sample_entropy(t, method) for t in voters], cap))
 
 
 def early_stop(finished_answers: list[Optional[int]], n_samples: int, cfg: SolverSpec) -> Optional[str]:
@@ -157,6 +176,6 @@ class Solver:
                 task.cancel()
                 ended.append(SampleTrace(sample=tasks[task], seed=base_seed + tasks[task], finish="error",
                                          error=f"no final message {CANCEL_GRACE:.0f}s after cancel"))
-        winner, weights = vote(ended, cfg.vote)
+        winner, weights = vote(ended, cfg.vote, cfg.weight_cap)
         return SolveResult(problem_id, cfg.default_answer if winner is None else winner, weights, rule,
                            time.monotonic() - t0, ended, expected, winner is None)

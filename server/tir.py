@@ -4,22 +4,32 @@ Per turn the engine streams until the recipe's code-end tag (a stop string, matc
 the turn opened a code block, its code runs in the sandbox and the output block is appended
 verbatim after what the model wrote; the next turn continues from the exact token history (the
 prefix contract: `text` is byte for byte what the model produced plus the appended blocks, and the
-engine reuses the KV of that history). A sample ends at end-of-sequence, max tokens, max code
-calls (then it continues without the code-end stop), the deadline, or cancellation; its answer is
-the last \\boxed{} in whatever it wrote, a sample cut off by the deadline included.
+engine reuses the KV of that history). A sample ends at end-of-sequence, max tokens, the deadline,
+or cancellation; its answer is the last \\boxed{} in whatever it wrote, a sample cut off by the
+deadline included. Past `max_code_calls` a code block runs nothing: its output block says so
+(`code_limit_notice`), or, with an empty notice, the code-end tag stops being a stop string and the
+block stays plain text.
+
+With `stateful` (the default) each sample has one python session, so a later block sees the
+variables of an earlier one. Its worker starts in a thread at the sample's first generated token
+(~1 s here), so it is ready by the time the first turn has written its code block and the event loop
+never waits; samples still queued in the engine start none (a run of 128 queued samples would
+otherwise start 128 workers at once).
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-from server.answers import last_boxed, normalize
+from server.answers import boxed_span, last_boxed, normalize
+from server.toolerrors import error_kind
 from trtbuild.core.chat import output_block
-from trtbuild.core.recipe import CodeTags
+from trtbuild.core.recipe import CodeTags, ServingSpec, SolverSpec
 from server.protocol import Delta, Engine, Final, Request, SamplingParams
 
 
@@ -29,6 +39,8 @@ class ToolCall:
     status: str
     seconds: float
     output: str  # what was fed back (capped)
+    error: str = ""  # the kind of failure, for the tool-error table (server.toolerrors); "" when it ran fine
+    cut: bool = False  # the output fed back is shorter than what the code printed
 
 
 @dataclass
@@ -47,6 +59,7 @@ class SampleTrace:
     prompt_tokens: int = 0
     entropy_sum: float = 0.0
     entropy_count: int = 0
+    local_entropy: Optional[float] = None  # mean over the tokens that end at the boxed answer (answer_window)
     generation_seconds: float = 0.0  # waiting on the engine
     tool_seconds: float = 0.0  # waiting on the sandbox
     client_seconds: float = 0.0  # this client's own work on streamed deltas (harness overhead)
@@ -95,12 +108,15 @@ def open_code(turn_text: str, tags: CodeTags) -> Optional[str]:
 
 class TIRClient:
     def __init__(self, engine: Engine, sandbox: Any, tags: CodeTags = CodeTags(), sampling: SamplingParams = SamplingParams(),
-                 max_code_calls: int = 4, output_chars: int = 200, tool_seconds: float = 10.0,
-                 stateful: bool = False, top_logprobs: int = 0, record_tokens: bool = False):
+                 max_code_calls: int = 4, output_chars: int = 1000, tool_seconds: float = 10.0,
+                 stateful: bool = True, top_logprobs: int = 0, record_tokens: bool = False,
+                 code_limit_notice: str = ServingSpec.code_limit_notice,
+                 answer_window: int = SolverSpec.answer_window):
         self.engine, self.sandbox, self.tags = engine, sandbox, tags
         self.record_tokens = record_tokens
         self.sampling, self.max_code_calls, self.output_chars = sampling, max_code_calls, output_chars
         self.tool_seconds, self.stateful, self.top_logprobs = tool_seconds, stateful, top_logprobs
+        self.code_limit_notice, self.answer_window = code_limit_notice, answer_window
 
     def output_block(self, feedback: str) -> str:
         return output_block(self.tags, feedback)
@@ -112,7 +128,10 @@ class TIRClient:
         trace = SampleTrace(sample=sample, seed=seed, prompt_tokens=len(prompt_ids), started=time.monotonic())
         history = list(prompt_ids)
         parts: list[str] = []
-        session = self.sandbox.session() if self.stateful else None
+        # the sample's python session: its worker starts in a thread at the sample's first generated token
+        # (so while the first turn generates, and only for samples the engine is serving, not queued ones)
+        session: list[Any] = [SessionStart(self.sandbox)] if self.stateful else []
+        token_entropy: list[tuple[int, float]] = []  # (end offset in the text, entropy) per generated token
         try:
             while True:
                 remaining = self.sampling.max_tokens - trace.tokens
@@ -126,8 +145,11 @@ class TIRClient:
                 params = SamplingParams(
                     temperature=self.sampling.temperature, top_p=self.sampling.top_p, top_k=self.sampling.top_k,
                     seed=seed * 1000 + trace.turns, max_tokens=remaining,
-                    stop=(self.tags.code_end,) if calls_left else (), top_logprobs=self.top_logprobs)
-                final = await self._turn(Request(tuple(history), params, f"s{seed}-t{trace.turns}", deadline), trace, cancelled)
+                    stop=(self.tags.code_end,) if calls_left or self.code_limit_notice else (),
+                    top_logprobs=self.top_logprobs)
+                base = sum(len(p) for p in parts)
+                final = await self._turn(Request(tuple(history), params, f"s{seed}-t{trace.turns}", deadline), trace,
+                                         cancelled, token_entropy, base, session[0] if session else None)
                 trace.turns += 1
                 trace.tokens += len(final.token_ids)
                 trace.cached_tokens += final.cached_tokens
@@ -143,7 +165,10 @@ class TIRClient:
                 code = open_code(final.text, self.tags)
                 if code is None:
                     continue  # a stray code-end tag: keep generating
-                block = await self._call_tool(code, trace, session, deadline, cancelled)
+                if not calls_left:  # past the limit: nothing runs, the model is told so
+                    block = self.output_block(self.code_limit_notice)
+                else:
+                    block = await self._call_tool(code, trace, session, deadline, cancelled)
                 if block is None:
                     trace.finish = "cancelled" if cancelled.is_set() else "timeout"
                     break
@@ -153,21 +178,26 @@ class TIRClient:
                 if self.record_tokens:
                     trace.segments.append((block_ids, False))
         finally:
-            if session is not None:
-                session.close()
+            if session:
+                session[0].close()
             trace.text = "".join(parts)
             trace.boxed = last_boxed(trace.text)
             trace.answer = normalize(trace.boxed, modulus)
+            trace.local_entropy = local_entropy(token_entropy, boxed_span(trace.text), self.answer_window)
             trace.seconds = time.monotonic() - trace.started
         return trace
 
-    async def _turn(self, request: Request, trace: SampleTrace, cancelled: asyncio.Event) -> Final:
-        """Stream one request; the cancel event ends it early (its Final still arrives)."""
+    async def _turn(self, request: Request, trace: SampleTrace, cancelled: asyncio.Event,
+                    token_entropy: list[tuple[int, float]], base: int, starter: Optional["SessionStart"] = None) -> Final:
+        """Stream one request; the cancel event ends it early (its Final still arrives). Each token's
+        entropy goes to `token_entropy` with the text offset its delta ends at (`base` + this turn's text);
+        the first delta begins `starter` (the sample's session)."""
         stream = self.engine.generate(request)
         watcher = asyncio.ensure_future(cancelled.wait())
         watcher.add_done_callback(lambda _: self.engine.cancel(request.request_id))
         t0 = time.monotonic()
         waited = 0.0
+        offset = base
         try:
             while True:
                 w0 = time.monotonic()
@@ -178,18 +208,39 @@ class TIRClient:
                     trace.generation_seconds += time.monotonic() - t0
                     trace.client_seconds += time.monotonic() - t0 - waited
                     return ev
-                if isinstance(ev, Delta) and ev.logprobs:
-                    for top in ev.logprobs:
+                if isinstance(ev, Delta):
+                    if starter is not None:
+                        starter.begin()
+                        starter = None
+                    offset += len(ev.text)
+                    for top in ev.logprobs or ():
                         if top:
-                            trace.entropy_sum += topk_entropy(top)
+                            h = topk_entropy(top)
+                            trace.entropy_sum += h
                             trace.entropy_count += 1
+                            token_entropy.append((offset, h))
         except StopAsyncIteration:
             return Final(request.request_id, "error", "", (), len(request.prompt), error="stream ended without a final message")
         finally:
             watcher.cancel()
             await stream.aclose()
 
-    async def _call_tool(self, code: str, trace: SampleTrace, session: Any, deadline: Optional[float],
+    async def _session(self, session: list[Any]) -> Any:
+        """The sample's session (waiting for its start if needed); None when stateless. A session that
+        cannot start is an error the caller reports like a tool error; the next code block tries again."""
+        if not self.stateful:
+            return None
+        if not session:
+            session.append(SessionStart(self.sandbox))
+        try:
+            return await session[0].wait()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            session.pop().close()  # the next code block tries again
+            raise
+
+    async def _call_tool(self, code: str, trace: SampleTrace, session: list[Any], deadline: Optional[float],
                          cancelled: asyncio.Event) -> Optional[str]:
         """Run the code; the output block to append, or None when cancelled or out of time first."""
         timeout = self.tool_seconds
@@ -198,8 +249,12 @@ class TIRClient:
             if timeout <= 0:
                 return None
         t0 = time.monotonic()
-        runner = session.arun if session is not None else self.sandbox.arun
-        task = asyncio.ensure_future(runner(code, timeout))
+
+        async def execute() -> Any:
+            s = await self._session(session)
+            return await (s.arun if s is not None else self.sandbox.arun)(code, timeout)
+
+        task = asyncio.ensure_future(execute())
         stop = asyncio.ensure_future(cancelled.wait())
         done, _ = await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
         stop.cancel()
@@ -210,8 +265,59 @@ class TIRClient:
         try:
             result = task.result()
         except Exception as e:  # the sandbox itself failed: tell the model, keep the harness up
-            trace.code_calls.append(ToolCall(code, "error", time.monotonic() - t0, f"sandbox error: {e}"))
+            trace.code_calls.append(ToolCall(code, "error", time.monotonic() - t0, f"sandbox error: {e}",
+                                             f"sandbox: {type(e).__name__}"))
             return self.output_block(f"sandbox error: {type(e).__name__}")
         feedback = result.feedback(self.output_chars)
-        trace.code_calls.append(ToolCall(code, result.status, result.seconds, feedback))
+        cut = result.stdout.truncated or result.stderr.truncated or len(feedback) < len(result.feedback(1 << 30))
+        trace.code_calls.append(ToolCall(code, result.status, result.seconds, feedback, error_kind(result), cut))
         return self.output_block(feedback)
+
+
+class SessionStart:
+    """A sample's session, started in a thread. `close()` closes it, now or, when the start is still
+    running (the sample was cancelled, or the event loop is gone), as soon as the thread has it:
+    the thread itself closes what nobody wants any more, so no session outlives its sample."""
+
+    def __init__(self, sandbox: Any):
+        self._sandbox = sandbox
+        self._lock = threading.Lock()
+        self._session: Any = None
+        self._abandoned = False
+        self._future: Optional["asyncio.Future[Any]"] = None
+
+    def _start(self) -> Any:
+        s = self._sandbox.session()
+        with self._lock:
+            keep = not self._abandoned
+            if keep:
+                self._session = s
+        if not keep:
+            s.close()
+        return s
+
+    def begin(self) -> "SessionStart":
+        """Start the session in a thread (from inside the event loop); `wait` then gets it."""
+        if self._future is None:
+            self._future = asyncio.ensure_future(asyncio.to_thread(self._start))
+        return self
+
+    async def wait(self) -> Any:
+        return await asyncio.shield(self.begin()._future)
+
+    def close(self) -> None:
+        with self._lock:
+            self._abandoned = True
+            s, self._session = self._session, None
+        if s is not None:
+            s.close()
+
+
+def local_entropy(token_entropy: list[tuple[int, float]], span: Optional[tuple[int, int]], window: int) -> Optional[float]:
+    """Mean entropy of the `window` generated tokens that end where the boxed answer ends (the
+    tokens that wrote the answer and the lead-up to it); None without logprobs or a boxed answer."""
+    if span is None or not token_entropy:
+        return None
+    upto = [h for end, h in token_entropy if end <= span[1] + 1]
+    near = upto[-window:] if upto else []
+    return sum(near) / len(near) if near else None

@@ -1,7 +1,8 @@
 """A scripted engine (test double) implementing the engine protocol, for deterministic harness tests.
 
 Text is tokenized one character per token (id = code point), so token ids and text map exactly.
-`top_prob` (optional) gives the probability of the top token for the reported logprobs.
+`top_prob` (optional) gives the probability of the top token for the reported logprobs, per request;
+`chunk_prob` per streamed chunk.
 A script maps the prompt text to the chunks the "model" streams (each chunk is one step); stop
 strings are matched with the product's StopMatcher, across chunk boundaries, as a real backend does.
 """
@@ -22,8 +23,9 @@ Script = Callable[[str, Request], list[str]]
 class ScriptedEngine:
     name = "scripted"
 
-    def __init__(self, script: Script, step_seconds: float = 0.0, top_prob: Optional[Callable[[Request], float]] = None):
-        self.script, self.step_seconds, self.top_prob = script, step_seconds, top_prob
+    def __init__(self, script: Script, step_seconds: float = 0.0, top_prob: Optional[Callable[[Request], float]] = None,
+                 chunk_prob: Optional[Callable[[Request, str], float]] = None):
+        self.script, self.step_seconds, self.top_prob, self.chunk_prob = script, step_seconds, top_prob, chunk_prob
         self.requests: list[Request] = []
         self.finals: list[Final] = []
         self._cancelled: set[str] = set()
@@ -69,8 +71,9 @@ class ScriptedEngine:
             emit, matched, over = stopper.feed(chunk)
             text.append(emit)
             lp = None
-            if request.params.top_logprobs and self.top_prob is not None:
-                p = self.top_prob(request)  # two candidates: p and 1 - p
+            if request.params.top_logprobs and (self.top_prob is not None or self.chunk_prob is not None):
+                # two candidates: p and 1 - p; chunk_prob sets p per chunk (entropy near the answer)
+                p = self.chunk_prob(request, chunk) if self.chunk_prob is not None else self.top_prob(request)
                 lp = tuple(((1, math.log(p)), (2, math.log(1 - p))) for _ in chunk)
             yield Delta(tuple(ord(c) for c in chunk), emit, lp)
             if matched is not None:

@@ -25,10 +25,10 @@ ALLOWED = {  # package -> what its modules may import from the project
     "server": ("server", "sandbox", "trtbuild.core"),
 }
 RUNTIME_FLOORS = (  # inside server/: module prefixes per floor, bottom up; anything else is a surface
-    ("server.protocol", "server.textstream", "server.stream", "server.answers", "server.budget"),
+    ("server.protocol", "server.textstream", "server.stream", "server.answers", "server.answer_latex", "server.budget"),
     ("server.embedded.", "server.trtllm.engine", "server.triton.engine", "server.triton.interface", "server.openai.engine",
      "server.backends"),
-    ("server.tir", "server.solver", "server.metrics", "server.problems", "server.assembly"),
+    ("server.toolerrors", "server.tir", "server.solver", "server.metrics", "server.problems", "server.assembly"),
 )
 
 

@@ -39,6 +39,17 @@ def _error(tmp_path: Path, mutate) -> str:
     return msg
 
 
+def test_serving_defaults_are_the_anchors():
+    # issue 19: stateful sessions, 1000 characters fed back, a notice past the code-call limit
+    from trtbuild.core.recipe import ServingSpec, SolverSpec, ToolSpec
+
+    s = ServingSpec()
+    assert ToolSpec().stateful and s.output_chars == 1000 and "no more code will run" in s.code_limit_notice
+    assert SolverSpec().weight_cap == 4.0 and SolverSpec().vote in ("majority", "entropy", "local_entropy")
+    r = load_recipe(ROOT / "engines" / "mix.yaml")
+    assert r.serving.tool.stateful and r.serving.output_chars == 1000 and r.serving.code_limit_notice
+
+
 @pytest.mark.parametrize("mutate, key, value", [
     (lambda d: d["merge"].update(wieghts={"cot": 1}), "merge.wieghts", "unknown key"),
     (lambda d: d["merge"]["weights"].update(cot="heavy"), "merge.weights.cot", "'heavy'"),
@@ -59,6 +70,12 @@ def _error(tmp_path: Path, mutate) -> str:
     (lambda d: d["serving"].update(speculative={"max_batch": -1}), "serving.speculative.max_batch", "-1"),
     (lambda d: (d["drafter"].update(kind="none"), d["serving"].update(speculative={"enabled": "on"})),
      "serving.speculative.enabled", "'on'"),
+    (lambda d: d["serving"]["solver"].update(weight_cap=0.5), "serving.solver.weight_cap", "0.5"),
+    (lambda d: d["serving"]["solver"].update(answer_window=0), "serving.solver.answer_window", "0"),
+    (lambda d: d["serving"]["solver"].update(vote="local_entropy", top_logprobs=1), "serving.solver.top_logprobs", "1"),
+    (lambda d: d["serving"]["solver"].update(vote="median"), "serving.solver.vote", "'median'"),
+    (lambda d: d["serving"].update(code_limit_notice=3), "serving.code_limit_notice", "3"),
+    (lambda d: d["serving"]["tool"].update(stateful="yes"), "serving.tool.stateful", "'yes'"),
 ])
 def test_bad_recipe_names_file_key_and_value(tmp_path, mutate, key, value):
     msg = _error(tmp_path, mutate)

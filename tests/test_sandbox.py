@@ -250,6 +250,62 @@ def test_session_output_is_captured_and_capped(pool):
         assert s.run("print('fine')").stdout.text == "fine\n"
 
 
+NUMBERED = "for i in range(40_000):\n    print(f'line {i}')\nprint('FINAL 42')"
+
+
+@pytest.mark.parametrize("stateful", [False, True])
+def test_past_128_kib_the_text_after_the_marker_is_the_real_end(pool, stateful):
+    # issue 19 bug 2: past head + tail capture (2 x 64 KiB), the model must see the real last lines
+    def check(r):
+        assert r.status == "output_truncated" and r.stdout.total > 128 * 1024
+        fb = r.feedback(1000)
+        assert len(fb) <= 1000 and "bytes omitted" in fb and fb.startswith("line 0\n")
+        after = fb.split("bytes omitted ...]\n", 1)[1].split("\n")
+        assert after[-1] == "FINAL 42" and after[-2] == "line 39999"
+        nums = [int(x.split()[1]) for x in after[1:-1]]
+        assert nums == list(range(nums[0], 40_000))  # contiguous up to the end: no middle spliced in
+    if stateful:
+        with pool.session() as s:
+            s.run("x = 1")
+            check(s.run(NUMBERED))
+            check(s.run(NUMBERED.replace("print(f", "print(x and f")))
+    else:
+        check(pool.run(NUMBERED))
+
+
+@pytest.mark.parametrize("max_chars", [120, 200, 1000])
+@pytest.mark.parametrize("code", ["raise ValueError('v' * 3000)", "print('x' * 5000)\nraise ValueError('v' * 3000)",
+                                  "def f(n):\n    return f(n + 1)\nf(0)", "raise KeyError('k' * 900 + 'END')"])
+def test_the_exception_line_always_reaches_the_model(pool, code, max_chars):
+    # issue 19 bug 3: a long message lost its `ValueError:` line at the 200-character cap
+    r = pool.run(code)
+    fb = r.feedback(max_chars)
+    kind = "ValueError: vvvv" if "Value" in code else "KeyError: 'kkkk" if "Key" in code else "RecursionError: maximum"
+    assert r.status == "error" and len(fb) <= max_chars and kind in fb, fb
+
+
+def test_notice_of_a_timeout_survives_a_small_cap(pool):
+    r = pool.run("print('a' * 5000)\nwhile True: pass", timeout=1)
+    fb = r.feedback(200)
+    assert r.status == "timeout" and len(fb) <= 200 and "TimeoutError: the code ran longer" in fb
+
+
+@pytest.mark.parametrize("code,shown", [("import math\nmath.comb(10, 3)", "120\n"), ("x = 5\nx", "5\n"),
+                                        ("print(3)", "3\n"), ("1 + 1;", ""), ("[].append(1)", ""),
+                                        ("sp.factorint(360)", "{2: 3, 3: 2, 5: 1}\n")])
+def test_trailing_expression_is_shown_as_in_a_notebook(pool, code, shown):
+    assert pool.run(code).stdout.text == shown
+    with pool.session() as s:
+        assert s.run("y = 2").stdout.text == "" and s.run(code).stdout.text == shown
+
+
+def test_trailing_expression_errors_are_the_models(pool):
+    r = pool.run("10 ** 5000")  # its repr exceeds python's digit limit: reported, no harness frames
+    assert r.status == "error" and "ValueError" in r.feedback() and "_worker" not in r.feedback()
+    r = pool.run("x = 1\n1 / 0")
+    assert "line 2" in r.feedback() and "ZeroDivisionError" in r.feedback()
+
+
 def test_fallback_warns_when_namespaces_are_missing(monkeypatch):
     from sandbox import isolation
 

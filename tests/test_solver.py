@@ -13,7 +13,7 @@ from engine_double import ScriptedEngine
 from sandbox import Limits, SandboxConfig, SandboxPool
 from server.budget import TimeBudget
 from server.protocol import SamplingParams
-from server.solver import Solver, early_stop, vote
+from server.solver import Solver, early_stop, entropy_weights, vote
 from trtbuild.core.recipe import BudgetSpec, SolverSpec
 from server.tir import SampleTrace, TIRClient
 
@@ -36,7 +36,7 @@ def answers_script(answers, lengths):
 
 def solve(pool, answers, lengths, cfg=SolverSpec(), deadline=None, step=0.002):
     eng = ScriptedEngine(answers_script(answers, lengths), step_seconds=step)
-    client = TIRClient(eng, pool, sampling=SamplingParams(temperature=0, max_tokens=100_000),
+    client = TIRClient(eng, pool, sampling=SamplingParams(temperature=0, max_tokens=100_000), stateful=False,
                        top_logprobs=2 if cfg.vote == "entropy" else 0)
     result = asyncio.run(Solver(eng, client, cfg).solve("p1", "problem", deadline, expected=3))
     return result, eng
@@ -89,8 +89,35 @@ def test_majority_vote_and_tie_rule():
 def test_entropy_vote_prefers_confident_samples():
     traces = [trace(5, entropy=2.0), trace(5, entropy=2.0), trace(8, entropy=0.25)]
     assert vote(traces, "majority")[0] == 5
-    winner, weights = vote(traces, "entropy")
+    winner, weights = vote(traces, "entropy", cap=100)
     assert winner == 8 and weights == {5: 1.0, 8: 4.0}
+    winner, weights = vote(traces, "entropy")  # capped at 4 x the median weight (0.5)
+    assert winner == 8 and weights == {5: 1.0, 8: 2.0}
+
+
+def test_a_confident_loop_does_not_outweigh_eleven_agreeing_samples():
+    # issue 19: entropy 1e-5 (a repetition loop) gave weight 1000 against 11 x 10
+    traces = [trace(9, entropy=1e-5)] + [trace(4, entropy=0.1) for _ in range(11)]
+    winner, weights = vote(traces, "entropy")
+    assert winner == 4 and weights[9] == pytest.approx(40.0) and weights[4] == pytest.approx(110.0)
+
+
+def test_samples_without_logprobs_weigh_the_median():
+    # they weighed 1.0 against confident samples' 20
+    traces = [trace(2, entropy=0.05), trace(3, entropy=0.1), trace(3, entropy=0.1), trace(1), trace(1), trace(1)]
+    winner, weights = vote(traces, "entropy")  # median weight 10: the three without logprobs weigh 30
+    assert weights == pytest.approx({2: 20.0, 3: 20.0, 1: 30.0}) and winner == 1
+    assert entropy_weights([None, None]) == [1.0, 1.0]
+    assert vote([trace(None, entropy=1e-6), trace(2, entropy=1.0)], "entropy") == (2, {2: 1.0})
+
+
+def test_local_entropy_vote_uses_the_tokens_at_the_answer():
+    sure_at_the_end = trace(6, entropy=1.0)
+    sure_at_the_end.local_entropy = 0.05
+    sure_throughout = trace(7, entropy=0.2)
+    sure_throughout.local_entropy = 0.5
+    assert vote([sure_throughout, sure_at_the_end], "entropy")[0] == 7
+    assert vote([sure_throughout, sure_at_the_end], "local_entropy")[0] == 6
 
 
 def test_entropy_vote_end_to_end(pool):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 
 import pytest
@@ -11,7 +12,7 @@ from engine_double import ScriptedEngine
 from sandbox import Limits, SandboxConfig, SandboxPool
 from server.protocol import SamplingParams
 from server.tir import TIRClient, open_code
-from trtbuild.core.recipe import CodeTags
+from trtbuild.core.recipe import CodeTags, ServingSpec
 
 QWEN = CodeTags()
 NEMOTRON = CodeTags("<tool_call>\n", "</tool_call>\n", "```output\n", "```\n")
@@ -98,11 +99,71 @@ def test_bad_code_is_fed_back_and_max_code_calls_is_enforced(pool):
     def script(prompt, request):
         return ["```python\nraise ValueError('boom')\n```\n", "after"]
     eng = ScriptedEngine(script)
-    t = run(client(eng, pool, max_code_calls=2).run(eng.tokenize("p"), 0, 1))
+    t = run(client(eng, pool, max_code_calls=2, code_limit_notice="").run(eng.tokenize("p"), 0, 1))
     assert [c.status for c in t.code_calls] == ["error", "error"]
     assert "ValueError: boom" in t.code_calls[0].output
-    # after the last allowed call the code-end tag is no longer a stop: the third turn runs to the end
+    # without a notice, after the last allowed call the code-end tag is no longer a stop: the third turn runs on
     assert eng.requests[2].params.stop == () and t.finish == "stop" and t.text.endswith("after")
+
+
+def test_past_the_code_call_limit_the_model_is_told_no_more_code_runs(pool):
+    def script(prompt, request):
+        if prompt.count("```output") >= 3:
+            return ["\\boxed{5}"]
+        return ["```python\nprint('ran')\n```\n"]
+    eng = ScriptedEngine(script)
+    t = run(client(eng, pool, max_code_calls=2).run(eng.tokenize("p"), 0, 1))
+    assert len(t.code_calls) == 2 and t.answer == 5 and t.turns == 4
+    notice = ServingSpec().code_limit_notice  # the shipped text, the client's default too: on by default
+    assert "no more code will run" in notice
+    assert t.text.endswith(f"```python\nprint('ran')\n```\n```output\n{notice}\n```\n\\boxed{{5}}")
+    assert t.text.count("```output\nran\n") == 2 and all(r.params.stop == ("```\n",) for r in eng.requests)
+    eng = ScriptedEngine(script)
+    t = run(client(eng, pool, max_code_calls=1, code_limit_notice="No more code.").run(eng.tokenize("p"), 0, 1))
+    assert t.text.count("```output\nNo more code.\n```\n") == 2 and len(t.code_calls) == 1
+
+
+def test_stateful_by_default_a_later_block_sees_earlier_variables(pool):
+    blocks = ["```python\nx = 40\n```\n", "```python\nx + 2\n```\n"]
+
+    def script(prompt, request):
+        n = prompt.count("```output")
+        if n < 2:
+            return [blocks[n]]
+        out = prompt.rsplit("```output\n", 1)[1].split("\n", 1)[0]
+        return [f"\\boxed{{{out}}}"]
+    eng = ScriptedEngine(script)
+    t = run(client(eng, pool).run(eng.tokenize("p"), 0, 1))
+    assert t.answer == 42 and [c.error for c in t.code_calls] == ["", ""]
+    assert "```python\nx + 2\n```\n```output\n42\n```\n" in t.text  # the trailing expression is shown
+    eng = ScriptedEngine(script)
+    t = run(client(eng, pool, stateful=False).run(eng.tokenize("p"), 0, 1))
+    assert t.code_calls[1].error == "NameError: x" and "NameError" in t.code_calls[1].output
+
+
+def test_tool_call_records_the_error_kind_and_cut_output(pool):
+    codes = ["import nosuchmodule\n", "print(undefined_thing)\n", "while True: pass\n", "print('z' * 5000)\n",
+             "1 / 0\n"]
+
+    def script(prompt, request):
+        n = prompt.count("```output")
+        return [f"```python\n{codes[n]}```\n"] if n < len(codes) else ["\\boxed{0}"]
+    eng = ScriptedEngine(script)
+    t = run(client(eng, pool, max_code_calls=5, tool_seconds=0.5, output_chars=300).run(eng.tokenize("p"), 0, 1))
+    assert [c.error for c in t.code_calls] == ["ImportError: nosuchmodule", "NameError: undefined_thing", "timeout", "",
+                                               "ZeroDivisionError"]
+    assert [c.cut for c in t.code_calls] == [False, False, False, True, False]
+
+
+def test_local_entropy_is_measured_at_the_boxed_answer(pool):
+    # a long unsure lead-up (p = 0.5 per token), then a confident answer (p = 0.99)
+    eng = ScriptedEngine(lambda p, r: ["hmm "] * 50 + ["so \\boxed{3}"], chunk_prob=lambda r, c: 0.99 if "boxed" in c else 0.5)
+    t = run(client(eng, pool, top_logprobs=2, answer_window=8).run(eng.tokenize("p"), 0, 1))
+    assert t.mean_entropy > 0.5 and t.local_entropy == pytest.approx(-(0.99 * math.log(0.99) + 0.01 * math.log(0.01)))
+    t = run(client(eng, pool, top_logprobs=2, answer_window=10_000).run(eng.tokenize("p"), 0, 2))
+    assert t.local_entropy == pytest.approx(t.mean_entropy)
+    t = run(client(eng, pool, top_logprobs=0).run(eng.tokenize("p"), 0, 3))
+    assert t.local_entropy is None and t.mean_entropy is None
 
 
 def test_hanging_code_times_out_and_the_sample_goes_on(pool):
@@ -155,3 +216,50 @@ def test_entropy_is_collected_from_top_logprobs(pool):
     eng = ScriptedEngine(lambda p, r: ["\\boxed{1}"], top_prob=lambda r: 0.5)
     t = run(client(eng, pool, top_logprobs=2).run(eng.tokenize("p"), 0, 1))
     assert t.entropy_count == len("\\boxed{1}") and t.mean_entropy is not None and abs(t.mean_entropy - 0.6931) < 1e-3
+
+
+def test_a_session_started_for_a_cancelled_sample_is_closed(pool):
+    # the session starts in a thread (~1 s); a sample cancelled meanwhile must not leak it
+    eng = ScriptedEngine(two_turn_script(["```python\nprint(1)\n```\n"], lambda out: ["x"]))
+
+    async def go():
+        ev = asyncio.Event()
+        task = asyncio.ensure_future(client(eng, pool).run(eng.tokenize("p"), 0, 1, cancelled=ev))
+        await asyncio.sleep(0.05)
+        ev.set()
+        return await task
+
+    t = run(go())
+    assert t.finish == "cancelled"
+    deadline = time.monotonic() + 10
+    while pool._sessions and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not pool._sessions
+
+
+class CountingSandbox:
+    """Test double around the real pool: counts the sessions asked for."""
+
+    def __init__(self, pool):
+        self.pool, self.sessions = pool, 0
+
+    def session(self):
+        self.sessions += 1
+        return self.pool.session()
+
+    async def arun(self, code, timeout=None):
+        return await self.pool.arun(code, timeout)
+
+
+def test_a_session_starts_at_the_first_token_not_while_queued(pool):
+    sandbox = CountingSandbox(pool)
+    eng = ScriptedEngine(two_turn_script(["```python\nx = 6\n```\n"], lambda out: ["\\boxed{6}"]), step_seconds=0.4)
+
+    async def go():
+        task = asyncio.ensure_future(client(eng, sandbox).run(eng.tokenize("p"), 0, 1))
+        await asyncio.sleep(0.2)
+        queued = sandbox.sessions  # no token yet: like a sample waiting in the engine's queue
+        return queued, await task
+
+    queued, t = run(go())
+    assert queued == 0 and sandbox.sessions == 1 and t.answer == 6 and t.code_calls[0].status == "ok"

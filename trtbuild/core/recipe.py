@@ -192,9 +192,11 @@ class SamplingSpec:
 class ToolSpec:
     """The sandbox as the TIR client uses it."""
 
-    wall_seconds: float = 10.0  # per code call
+    wall_seconds: float = 10.0  # per code call (anchors: AIMO-3 30 s, NeMo-Skills 10 s; README: measured)
     memory_mb: int = 1024
-    stateful: bool = False  # one python session per sample (cells share variables) vs a fresh cell each
+    # one python session per sample, so a later block sees an earlier block's variables (as the AIMO-3
+    # winners' Jupyter kernel and NeMo-Skills' IPython session); false: a fresh process per block
+    stateful: bool = True
 
 
 @dataclass(frozen=True)
@@ -205,9 +207,14 @@ class SolverSpec:
     early_stop_first: int = 5  # stop when `early_stop_agree` of the first `early_stop_first` answers agree
     early_stop_agree: int = 4
     enough_finished: int = 10  # ... or when this many samples have finished
-    vote: Literal["majority", "entropy"] = "majority"
+    # majority: one vote each; entropy: weight 1 / mean token entropy; local_entropy: 1 / mean entropy of the
+    # `answer_window` tokens ending at the boxed answer (AIMO-3 runner-up). Entropy weights are capped at
+    # `weight_cap` x the problem's median weight; a sample without logprobs weighs that median.
+    vote: Literal["majority", "entropy", "local_entropy"] = "majority"
     modulus: Optional[int] = None  # answers mod this (AIMO-2: 1000)
-    top_logprobs: int = 5  # for the entropy-weighted vote
+    top_logprobs: int = 5  # for the entropy-weighted votes
+    weight_cap: float = 4.0
+    answer_window: int = 32
     default_answer: int = 0  # when no sample produced an integer
 
 
@@ -239,7 +246,9 @@ class ServingSpec:
     code_tags: CodeTags = field(default_factory=CodeTags)
     sampling: SamplingSpec = field(default_factory=SamplingSpec)
     max_code_calls: int = 4
-    output_chars: int = 200
+    output_chars: int = 1000  # of each tool output fed back (AIMO-3 harness and NeMo-Skills: 1000)
+    # the output block for a code block past max_code_calls ("" : such a block stays plain text)
+    code_limit_notice: str = "Code execution limit reached: no more code will run. Finish without code."
     system_prompt: Optional[str] = None
     tool: ToolSpec = field(default_factory=ToolSpec)
     solver: SolverSpec = field(default_factory=SolverSpec)
@@ -485,8 +494,12 @@ def _check(recipe: Recipe, where: str, check_paths: bool) -> None:
         fail("serving.solver.enough_finished", f"must be in 1..samples ({v.samples})", v.enough_finished)
     if v.modulus is not None and v.modulus < 2:
         fail("serving.solver.modulus", "must be >= 2 or null", v.modulus)
-    if v.vote == "entropy" and v.top_logprobs < 2:
-        fail("serving.solver.top_logprobs", "the entropy vote needs >= 2 logprobs per token", v.top_logprobs)
+    if v.vote != "majority" and v.top_logprobs < 2:
+        fail("serving.solver.top_logprobs", f"the {v.vote} vote needs >= 2 logprobs per token", v.top_logprobs)
+    if not v.weight_cap >= 1.0:
+        fail("serving.solver.weight_cap", "must be >= 1 (times the median weight)", v.weight_cap)
+    if v.answer_window < 1:
+        fail("serving.solver.answer_window", "must be >= 1 token", v.answer_window)
     b = s.budget
     for k in ("base_seconds", "low_seconds", "high_seconds"):
         if getattr(b, k) <= 0:
