@@ -285,7 +285,14 @@ def test_spec_config_and_drafter_shape_are_checked(hf):
         make_engine(hf, bad)
     with pytest.raises(ValueError, match="both a drafter"):
         EmbeddedEngine(model, tok, device="cpu", drafter=repeat_drafter(model))
-    assert speculative.DEFAULT_MAX_BATCH["cpu"] >= 1
+    default = make_engine(hf, repeat_drafter(model), spec_max_batch=0)  # 0: the device's measured default
+    try:
+        assert default.spec_max_batch == speculative.DEFAULT_MAX_BATCH["cpu"]
+        final = run_all(default, prompts(tok, 1), GREEDY)[0]
+        drafted = default.stats.spec_steps > 0
+    finally:
+        default.shutdown()
+    assert drafted == (speculative.DEFAULT_MAX_BATCH["cpu"] >= 1) and final.finish_reason in ("stop", "length")
 
 
 def test_cancel_and_deadline_with_the_drafter(hf):

@@ -255,10 +255,11 @@ class EmbeddedEngine(EngineBase):
             int8_vocab_head(self.drafter)
         self.embed = model.get_input_embeddings()
         spec = self.spec
+        source = "serving.speculative.max_batch" if spec.max_batch else f"the measured default for {self.device.type}"
+        when = (f"on while at most {self.spec_max_batch} sequences run" if self.spec_max_batch
+                else "off: drafting measured slower than plain decoding here; serving.speculative.max_batch turns it on")
         print(f"[embedded] speculative decoding: ReDrafter, {spec.num_beams} beam(s) x {spec.draft_len} draft tokens, "
-              f"on while at most {self.spec_max_batch} sequences run "
-              f"({'serving.speculative.max_batch' if spec.max_batch else 'default for ' + self.device.type})",
-              file=sys.stderr, flush=True)
+              f"{when} ({source})", file=sys.stderr, flush=True)
 
     def call_in_engine_thread(self, fn: Callable[[], Any]) -> Any:
         """Run fn on the engine thread between steps and return its result (benchmarks use it to
