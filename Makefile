@@ -179,18 +179,21 @@ eval: build
 # BACKEND=trtllm: the TensorRT-LLM engine plus a TensorRT-LLM 1.2.x wheel set you provide (TRTLLM_WHEELS=dir);
 # its notebook needs a GPU, so it is not run here.
 KAGGLE_WHEELS ?= runtime
+# the Kaggle dataset's name (slug): the notebook looks for a folder of that name under /kaggle/input
+DATASET ?= aimo-trt
 TRTLLM_WHEELS ?=
 ifeq ($(BACKEND),trtllm)
 kaggle: kaggle-trtllm-wheels build
 	$(PY) -m server.kaggle.package --recipe $(RECIPE) --out $(OUT)/kaggle --backend trtllm \
-		--trtllm-wheels "$(TRTLLM_WHEELS)" --problems $(PROBLEMS)
+		--trtllm-wheels "$(TRTLLM_WHEELS)" --problems $(PROBLEMS) --dataset-name $(DATASET)
 	@echo "== $(OUT)/kaggle: upload it as a dataset; its notebook runs on a Kaggle GPU (TensorRT-LLM cannot run here)"
 
 kaggle-trtllm-wheels:
 	@test -n "$(TRTLLM_WHEELS)" && test -d "$(TRTLLM_WHEELS)" || { echo "make kaggle BACKEND=trtllm: set TRTLLM_WHEELS to a folder with the tensorrt_llm-1.2.x wheel and its dependencies' wheels (pip download tensorrt-llm==1.2.1 -d DIR where NVIDIA's index is reachable); got '$(TRTLLM_WHEELS)'"; exit 2; }
 else
 kaggle: build
-	$(PY) -m server.kaggle.package --recipe $(RECIPE) --out $(OUT)/kaggle --wheels $(KAGGLE_WHEELS) --problems $(PROBLEMS)
+	$(PY) -m server.kaggle.package --recipe $(RECIPE) --out $(OUT)/kaggle --wheels $(KAGGLE_WHEELS) --problems $(PROBLEMS) \
+		--dataset-name $(DATASET)
 	$(PY) -m server.kaggle.execute --dataset $(OUT)/kaggle --out $(OUT)/kaggle-run
 endif
 

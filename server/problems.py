@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import io
 import json
 import sys
 import time
@@ -21,12 +22,28 @@ class Problem:
     answer: Optional[int] = None
 
 
-def read_problems(path: str | Path) -> list[Problem]:
-    """A CSV with columns id, problem and optionally answer (an integer)."""
+def read_csv_text(path: str | Path) -> str:
+    """A CSV file's text: UTF-8, a leading byte-order mark dropped (spreadsheets write one, and it would
+    hide the first column's name); other bytes are an error naming the file, line and byte."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such problems file")
-    with path.open(newline="", encoding="utf-8") as f:
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise ValueError(f"{path}: line {line}: not UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start}); "
+                         "save the file as UTF-8") from None
+
+
+def read_problems(path: str | Path) -> list[Problem]:
+    """A CSV with columns id, problem and optionally answer (an integer). Fields may be of any size
+    (the real gateway reads a 1 MB problem)."""
+    path = Path(path)
+    text = read_csv_text(path)
+    csv.field_size_limit(max(csv.field_size_limit(), 1 << 30))
+    with io.StringIO(text, newline="") as f:
         reader = csv.DictReader(f)
         cols = reader.fieldnames or []
         for need in ("id", "problem"):

@@ -238,6 +238,22 @@ class ServingSpec:
     budget: BudgetSpec = field(default_factory=BudgetSpec)
 
 
+# answers are reported modulo this per competition: AIMO-2 asked for 0-999, AIMO-3 for 0-99999
+ANSWER_RANGES = {"aimo3": 100000, "aimo2": 1000}
+
+
+@dataclass(frozen=True)
+class KaggleSpec:
+    """The Kaggle competition `make kaggle` targets: its inference server and the answers' range."""
+
+    competition: Literal["aimo3", "aimo2"] = "aimo3"
+    answer_range: Optional[int] = None  # answers modulo this; None: the competition's (ANSWER_RANGES)
+
+    @property
+    def answers_modulo(self) -> int:
+        return self.answer_range or ANSWER_RANGES[self.competition]
+
+
 @dataclass(frozen=True)
 class Recipe:
     name: str
@@ -249,6 +265,7 @@ class Recipe:
     trtllm: TrtllmSpec = field(default_factory=TrtllmSpec)
     quality: QualitySpec = field(default_factory=QualitySpec)
     serving: ServingSpec = field(default_factory=ServingSpec)
+    kaggle: KaggleSpec = field(default_factory=KaggleSpec)
     # Where the recipe came from; relative paths in it resolve against this folder.
     path: Path = field(default=Path("."), compare=False, metadata={"internal": True})
 
@@ -482,6 +499,9 @@ def _check(recipe: Recipe, where: str, check_paths: bool) -> None:
         fail("serving.budget.max_extra_seconds", "must be >= 0", b.max_extra_seconds)
     if b.low_seconds > b.high_seconds:
         fail("serving.budget.low_seconds", f"must be <= high_seconds ({b.high_seconds})", b.low_seconds)
+    k = recipe.kaggle
+    if k.answer_range is not None and k.answer_range < 2:
+        fail("kaggle.answer_range", "must be >= 2 or null (null: the competition's range)", k.answer_range)
 
 
 def parse_section(data: Any, cls: Any, key: str, where: str) -> Any:
