@@ -258,3 +258,12 @@ def test_our_gateway_reads_a_bom_and_a_1mb_field(tmp_path):
         return pl.DataFrame({"id": row[0], "answer": [7]})
     report = gateway.run(predict, f, tmp_path / "out", log=lambda m: None)
     assert sizes == [("id", 1_000_000)] and report["results"][0]["answer"] == 7
+
+
+def test_the_double_warns_when_the_server_starts_after_the_startup_limit(double, tmp_path, monkeypatch):
+    import kaggle_evaluation
+
+    monkeypatch.setattr(kaggle_evaluation, "IMPORTED_AT", time.time() - FACTS["timeouts"]["startup_limit_seconds"] - 5)
+    with pytest.warns(RuntimeWarning, match="seconds elapsed before server startup"):
+        double["aimo3"](good_predict).run_local_gateway((str(problems_csv(tmp_path)),))
+    assert json.loads((tmp_path / "double_report.json").read_text())["startup_warning"] is True

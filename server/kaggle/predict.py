@@ -146,7 +146,11 @@ class Predictor:
             return "the problem text is null or empty"
         if not self.max_input_len or not hasattr(self.engine, "tokenize") or not hasattr(self.engine, "chat_prompt"):
             return None
-        n = len(self.engine.tokenize(self.engine.chat_prompt(text, self.serving.system_prompt)))
+        try:
+            n = len(self.engine.tokenize(self.engine.chat_prompt(text, self.serving.system_prompt)))
+        except Exception as e:  # noqa: BLE001 - cannot count here: the engine itself will say
+            self.log(f"could not count the prompt's tokens ({type(e).__name__}: {e}); asking the engine")
+            return None
         if n > self.max_input_len:
             return f"its prompt is {n} tokens, over the engine's max_input_len {self.max_input_len}"
         return None

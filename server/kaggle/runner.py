@@ -18,16 +18,16 @@ from typing import Any, Callable, Optional, Sequence
 
 from server.kaggle.competitions import RERUN_ENV, competition
 
-KAGGLE_INPUT = "/kaggle/input"
+KAGGLE_INPUT = os.environ.get("AIMO_KAGGLE_INPUT", "/kaggle/input")  # where Kaggle mounts data (tests move it)
 
 
 class KaggleServerError(RuntimeError):
     """The competition's inference server is needed (the rerun) and cannot be used."""
 
 
-def add_kaggle_evaluation_path(roots: Sequence[str] = (KAGGLE_INPUT,)) -> Optional[str]:
+def add_kaggle_evaluation_path(roots: Optional[Sequence[str]] = None) -> Optional[str]:
     """Put the folder holding `kaggle_evaluation/` (the competition's data, wherever mounted) on sys.path."""
-    for root in roots:
+    for root in roots or (os.environ.get("AIMO_KAGGLE_INPUT", KAGGLE_INPUT),):
         for init in sorted(glob.glob(os.path.join(root, "*", "kaggle_evaluation", "__init__.py"))
                            + glob.glob(os.path.join(root, "*", "*", "kaggle_evaluation", "__init__.py"))):
             parent = str(Path(init).parents[1])

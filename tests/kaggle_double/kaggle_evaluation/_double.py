@@ -254,6 +254,8 @@ class InferenceServer:
         self._warn_late_start()
         self.relay.start()
         try:
-            Gateway(self.competition, self.relay, data_paths).run(rerun=False)
+            gateway = Gateway(self.competition, self.relay, data_paths)
+            gateway.report["startup_warning"] = self.startup_warning
+            gateway.run(rerun=False)
         finally:
             self.relay.stop()
