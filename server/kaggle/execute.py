@@ -64,7 +64,7 @@ def execute(dataset: Path, out: Path, site: Optional[Path] = None, problems: Opt
         nbformat.write(nb, str(out / "aimo_trt.executed.ipynb"))
     report: dict[str, Any] = {"notebook_seconds": round(time.monotonic() - t0, 1), "error": error,
                               "printed": "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []))}
-    for name in ("gateway_report.json", "double_report.json", "result.json"):
+    for name in ("gateway_report.json", "double_report.json", "result.json", "aimo_trt_timings.json"):
         if (out / name).is_file():
             report[name.removesuffix(".json")] = json.loads((out / name).read_text())
     if (out / "submission.parquet").is_file():
@@ -85,8 +85,9 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"(executed copy: {out / 'aimo_trt.executed.ipynb'}):\n{report['error'] or 'no submission.parquet'}",
               file=sys.stderr)
         return 1
-    first = (report.get("gateway_report") or {}).get("first_predict_after_start_seconds")
-    print(f"[kaggle] notebook ran in {report['notebook_seconds']}s (first predict after {first}s): "
+    times = report.get("aimo_trt_timings") or {}
+    print(f"[kaggle] notebook ran in {report['notebook_seconds']}s (first predict {times.get('first_call')}s and first "
+          f"answer {times.get('first_answer')}s after its start): "
           f"{report['correct']}/{report['scored']} correct, {report['problems']} answered; submission "
           f"{out / 'submission.parquet'}; executed notebook {out / 'aimo_trt.executed.ipynb'}")
     return 0

@@ -129,6 +129,9 @@ report = serve(predict, os.path.join(DATASET, "problems.csv"), out=os.environ.ge
                competition="{competition}", started_at=T0)
 report and print({{k: v for k, v in report.items() if k != "results"}})
 print("timings (s since the notebook started):", predictor.timings)
+import json
+with open("aimo_trt_timings.json", "w") as f:  # the working folder, beside submission.parquet
+    json.dump(predictor.timings, f)
 """),
     ]
     for i, cell in enumerate(cells):
