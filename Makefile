@@ -51,7 +51,7 @@ help:
 	@echo "make serve MODEL=mix       OpenAI-compatible HTTP server on http://$(HOST):$(PORT)/v1 (BACKEND=auto|embedded|trtllm|triton|openai)"
 	@echo "make solve BACKEND=openai URL=h1:8000,h2:8000   solve through OpenAI-compatible servers (trtllm-serve, vLLM, SGLang, make serve)"
 	@echo "make eval MODEL=mix        K samples per problem for each variant (DATA=, K=, VARIANTS=), report + plots + replay"
-	@echo "make kaggle MODEL=mix      Kaggle dataset folder + notebook ($(OUT)/kaggle), then the notebook run offline with the local gateway"
+	@echo "make kaggle MODEL=mix      Kaggle dataset folder + notebook ($(OUT)/kaggle; DATASET=<slug> names the dataset, default aimo-trt), then the notebook run offline with the local gateway"
 	@echo "make doctor MODEL=mix      which backends this machine can use, and why not (TRTLLM_PYTHON=...)"
 	@echo "make gpu-smoke             GPU host: build tiny bf16/FP8 engines with TensorRT-LLM and check them"
 	@echo "make trtllm-venv           GPU host: $(TRTLLM_VENV) with the pinned TensorRT-LLM (TRTLLM_INDEX_URL=...)"

@@ -379,3 +379,40 @@ def test_make_kaggle_trtllm_without_wheels_stops_before_any_work():
     proc = subprocess.run(["make", "-s", "kaggle", "BACKEND=trtllm", "TRTLLM_WHEELS="], cwd=root,
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "set TRTLLM_WHEELS" in proc.stdout + proc.stderr
+
+
+def test_make_kaggle_checks_its_inputs_before_writing_anything(tmp_path, tiny_models):
+    from server.kaggle.package import build
+
+    problems = tmp_path / "p.csv"
+    problems.write_text("id,problem,answer\na,one,1\n")
+    good = engine_folder(tmp_path, tiny_models)
+    broken = tmp_path / "broken"
+    shutil.copytree(good, broken)
+    shutil.rmtree(broken / "model")
+    out = tmp_path / "out"
+    with pytest.raises(EngineFolderError, match="model: missing"):
+        build(broken, out, problems)
+    with pytest.raises(ValueError, match="dataset name 'My Set!'"):
+        build(good, out, problems, dataset_name="My Set!")
+    bad_csv = tmp_path / "bad.csv"
+    bad_csv.write_bytes(b"id,problem\na,caf\xe9\n")
+    with pytest.raises(ValueError, match="bad.csv: line 2: not UTF-8"):
+        build(good, out, bad_csv)
+    assert not out.exists()
+
+
+def test_an_engine_that_dies_and_cannot_be_restarted_fails_loudly(tmp_path):
+    lives = []
+
+    def factory():
+        if lives:
+            raise RuntimeError("CUDA error: an illegal memory access")
+        lives.append(DyingEngine(die=False))
+        return lives[-1]
+    p = Predictor(engine_folder(tmp_path), problems=3, engine_factory=factory, log=lambda m: None)
+    assert p.predict(*series("q1", "x"))["answer"][0] == 5
+    lives[0].die = True  # found dead before the next problem
+    with pytest.raises(EngineStartError, match="illegal memory access"):
+        p.predict(*series("q2", "x"))
+    p.close()
