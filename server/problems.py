@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import csv
+import io
 import json
 import sys
 import time
@@ -21,12 +23,28 @@ class Problem:
     answer: Optional[int] = None
 
 
-def read_problems(path: str | Path) -> list[Problem]:
-    """A CSV with columns id, problem and optionally answer (an integer)."""
+def read_csv_text(path: str | Path) -> str:
+    """A CSV file's text: UTF-8, a leading byte-order mark dropped (spreadsheets write one, and it would
+    hide the first column's name); other bytes are an error naming the file, line and byte."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such problems file")
-    with path.open(newline="", encoding="utf-8") as f:
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise ValueError(f"{path}: line {line}: not UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start}); "
+                         "save the file as UTF-8") from None
+
+
+def read_problems(path: str | Path) -> list[Problem]:
+    """A CSV with columns id, problem and optionally answer (an integer). Fields may be of any size
+    (the real gateway reads a 1 MB problem)."""
+    path = Path(path)
+    text = read_csv_text(path)
+    csv.field_size_limit(max(csv.field_size_limit(), 1 << 30))
+    with io.StringIO(text, newline="") as f:
         reader = csv.DictReader(f)
         cols = reader.fieldnames or []
         for need in ("id", "problem"):
@@ -51,11 +69,21 @@ def read_problems(path: str | Path) -> list[Problem]:
     return out
 
 
+def failure(result: SolveResult) -> Optional[str]:
+    """Why a problem got no real answer: every sample ended in an error (e.g. a prompt over
+    max_input_len, a dead engine); None when at least one sample ran."""
+    if result.traces and all(t.finish == "error" for t in result.traces):
+        return result.traces[0].error or "error"
+    return None
+
+
 @dataclass
 class RunReport:
     results: list[SolveResult] = field(default_factory=list)
     wall_seconds: float = 0.0
     engine_busy_seconds: Optional[float] = None  # None: the backend keeps no engine statistics
+    interrupted: bool = False  # Ctrl-C (or a cancellation) ended the run early: results hold what was done
+    speculative: Optional[dict] = None  # what the engine's drafter did (EngineStats.speculative), when it drafted
 
     @property
     def tokens(self) -> int:
@@ -88,6 +116,8 @@ class RunReport:
             "tokens_per_second": self.tokens / self.wall_seconds if self.wall_seconds else 0.0,
             "code_calls": sum(r.code_calls for r in self.results),
             "lanes_seconds": lanes,
+            "interrupted": self.interrupted,
+            "failed": {r.problem_id: failure(r) for r in self.results if failure(r)},
         }
 
     def table(self) -> str:
@@ -99,6 +129,10 @@ class RunReport:
             exp = "" if r.expected is None else str(r.expected)
             lines.append(f"{r.problem_id[:12]:<12} {r.answer:>8} {exp:>8} {ok:>3} {votes[:22]:<22} {r.seconds:>6.1f} "
                          f"{r.finished:>3} {r.cancelled:>4} {r.code_calls:>5} {r.stop_rule:<8}")
+        for r in self.results:
+            why = failure(r)
+            if why:
+                lines.append(f"{r.problem_id[:12]:<12} answer {r.answer} is the default: every sample failed: {why}")
         s = self.summary()
         lanes = s["lanes_seconds"]
         acc = f"{s['correct']}/{s['scored']} correct" if s["scored"] else "no answers to score"
@@ -119,8 +153,11 @@ def log(msg: str) -> None:
 
 async def run_problems(solver: Solver, problems: list[Problem], budget: TimeBudget,
                        traces_path: Optional[Path] = None, engine_stats: Optional[Callable[[], float]] = None,
-                       progress: Callable[[str], None] = log) -> RunReport:
-    """Solve problems in order under the budget; traces go to JSONL as each problem ends."""
+                       progress: Callable[[str], None] = log,
+                       on_result: Optional[Callable[["RunReport"], None]] = None) -> RunReport:
+    """Solve problems in order under the budget; traces go to JSONL as each problem ends, and
+    `on_result` sees the report after each problem (to write results as they come). Ctrl-C or a
+    cancellation ends the run early with `interrupted` set and every finished problem kept."""
     report = RunReport()
     t0 = time.monotonic()
     busy0 = engine_stats() if engine_stats else 0.0
@@ -137,16 +174,30 @@ async def run_problems(solver: Solver, problems: list[Problem], budget: TimeBudg
             budget.finish()
             report.results.append(result)
             ok = "" if result.correct is None else (" correct" if result.correct else f" wrong (expected {p.answer})")
+            why = failure(result)
             progress(f"[solve {i}/{len(problems)}] {p.id}: answer {result.answer}{ok}; {result.seconds:.1f} s, "
                      f"{result.finished} finished, {result.cancelled} cancelled, {result.code_calls} code calls, "
-                     f"stop: {result.stop_rule}")
+                     f"stop: {result.stop_rule}" + (f"; every sample failed: {why}" if why else ""))
             if out:
-                for t in result.traces:
-                    out.write(json.dumps({"problem_id": p.id, **t.to_json()}) + "\n")
-                out.flush()
+                try:
+                    for t in result.traces:
+                        out.write(json.dumps({"problem_id": p.id, **t.to_json()}) + "\n")
+                    out.flush()
+                except OSError as e:  # traces are a record, answers matter more: keep solving
+                    progress(f"[solve] could not write {traces_path}: {e}; traces stop here")
+                    out = None
+            report.wall_seconds = time.monotonic() - t0
+            if on_result:
+                on_result(report)
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        report.interrupted = True
+        progress(f"[solve] interrupted after {len(report.results)} of {len(problems)} problems")
     finally:
         if out:
-            out.close()
+            try:
+                out.close()
+            except OSError:
+                pass
     report.wall_seconds = time.monotonic() - t0
     report.engine_busy_seconds = (engine_stats() - busy0) if engine_stats else None
     return report

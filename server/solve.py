@@ -3,7 +3,9 @@
     python -m server.solve --recipe engines/mix.yaml --problems engines/problems/smoke.csv
 
 Prints progress per problem (stderr), then the results table and the whole-run figures (stdout);
-writes `results.json` and `traces.jsonl` (one line per sample) to --out.
+writes `results.json` and `traces.jsonl` (one line per sample) to --out. `results.json` is rewritten
+atomically after every problem, so a crash, a full disk or Ctrl-C keeps every answer already
+computed (Ctrl-C also prints the table of what was done and exits 130).
 """
 
 from __future__ import annotations
@@ -13,11 +15,44 @@ import asyncio
 import json
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from server.assembly import build_solver, sandbox_for
 from server.backends import SERVING_BACKENDS, open_for_recipe
+from trtbuild.core.atomic import write_atomic
 from trtbuild.core.recipe import RecipeError, load_recipe
+
+INTERRUPTED = 130
+
+
+def results_json(report: Any) -> str:
+    summary = report.summary()
+    if report.speculative:
+        summary["speculative"] = report.speculative
+    summary["results"] = [{"id": r.problem_id, "answer": r.answer, "expected": r.expected, "correct": r.correct,
+                           "votes": {str(k): v for k, v in r.votes.items()}, "seconds": r.seconds,
+                           "finished": r.finished, "cancelled": r.cancelled, "code_calls": r.code_calls,
+                           "tokens": r.tokens, "stop": r.stop_rule, "default_used": r.default_used}
+                          for r in report.results]
+    return json.dumps(summary, indent=2)
+
+
+class ResultsWriter:
+    """results.json after every problem; a failed write is logged and remembered, the run goes on."""
+
+    def __init__(self, path: Path, log: Any):
+        self.path, self.log = path, log
+        self.error: Optional[str] = None
+
+    def __call__(self, report: Any) -> None:
+        try:
+            write_atomic(self.path, results_json(report))
+            self.error = None
+        except OSError as e:
+            self.error = str(e)
+            self.log(f"[solve] WRITE FAILED: {e}; answers so far: "
+                     + ", ".join(f"{r.problem_id}={r.answer}" for r in report.results))
+
 
 async def _main(args: argparse.Namespace) -> int:
     from server.budget import TimeBudget
@@ -35,27 +70,25 @@ async def _main(args: argparse.Namespace) -> int:
         solver = build_solver(recipe.serving, engine, sandbox, args.samples)
         budget = TimeBudget(recipe.serving.budget, len(problems))
         stats = getattr(engine, "stats", None)
+        writer = ResultsWriter(out / "results.json", log)
         report = await run_problems(solver, problems, budget, out / "traces.jsonl",
-                                    (lambda: stats.busy_seconds) if stats else None)
+                                    (lambda: stats.busy_seconds) if stats else None, on_result=writer)
     finally:
         sandbox.close()
         await engine.close()
     print(report.table())
-    summary = report.summary()
     spec = stats.speculative() if stats is not None and hasattr(stats, "speculative") else None
     if spec:
-        summary["speculative"] = spec
+        report.speculative = spec  # results.json carries it (results_json)
         log(f"[solve] speculative decoding: {spec['accepted_draft_tokens']}/{spec['draft_tokens']} drafts accepted "
             f"({100 * spec['acceptance']:.0f}%), {spec['tokens_per_step']:.2f} tokens per sequence per step "
             f"({spec['drafting_steps']} of {spec['steps']} steps drafted)")
-    summary["results"] = [{"id": r.problem_id, "answer": r.answer, "expected": r.expected, "correct": r.correct,
-                           "votes": {str(k): v for k, v in r.votes.items()}, "seconds": r.seconds,
-                           "finished": r.finished, "cancelled": r.cancelled, "code_calls": r.code_calls,
-                           "tokens": r.tokens, "stop": r.stop_rule, "default_used": r.default_used}
-                          for r in report.results]
-    (out / "results.json").write_text(json.dumps(summary, indent=2))
+    writer(report)  # the final figures (engine time) too
+    if writer.error:
+        log(f"[solve] {out}/results.json could not be written ({writer.error}); the table above has every answer")
+        return 1
     log(f"[solve] wrote {out}/results.json and {out}/traces.jsonl")
-    return 0
+    return INTERRUPTED if report.interrupted else 0
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -72,6 +105,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = ap.parse_args(argv)
     try:
         return asyncio.run(_main(args))
+    except KeyboardInterrupt:  # after _main printed and wrote what was done
+        print("solve: interrupted", file=sys.stderr)
+        return INTERRUPTED
     except (RecipeError, ValueError, FileNotFoundError, RuntimeError, ConnectionError) as e:
         print(f"solve: {e}", file=sys.stderr)
         return 2

@@ -1,9 +1,11 @@
-"""The Kaggle runner: predict (always an integer, lazy load, engine restart), the local gateway, and the
-generated notebook executed headlessly offline (nbclient) on a tiny model with the local gateway."""
+"""The Kaggle runner: predict (the real gateway's calling convention and types, answers in range, input
+robustness, loud start failures, engine liveness and restart), broken engine folders, and the
+generated notebook executed headlessly offline (nbclient) on a tiny model against the faithful test
+double of Kaggle's kaggle_evaluation (tests/kaggle_double)."""
 
 from __future__ import annotations
 
-import csv
+import asyncio
 import json
 import shutil
 import time
@@ -13,12 +15,14 @@ import polars as pl
 import pytest
 
 from engine_double import ScriptedEngine
-from server.kaggle import gateway
-from server.kaggle.predict import Predictor
+from server.engine_check import EngineFolderError
+from server.kaggle.predict import EngineStartError, Predictor
 from server.protocol import Final
 from small_recipes import write_recipe
 from trtbuild.build import engine_config
 from trtbuild.core.recipe import load_recipe
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def engine_folder(tmp_path: Path, tiny_models=None, **serving) -> Path:
@@ -42,11 +46,29 @@ def boxed(answer: str):
     return lambda prompt, request: [f"\\boxed{{{answer}}}"]  # short: one character per token, max_tokens 24
 
 
-def series(pid: str, text: str):
+def csv_row(tmp_path: Path, text: str = "id,problem,answer\n7,What is 6 times 7?,42\n"):
+    """One row as the real gateway passes it: polars' inferred types, one Series per column."""
+    f = tmp_path / "row.csv"
+    f.write_text(text)
+    return list(next(pl.read_csv(f).iter_slices(n_rows=1)))
+
+
+def series(pid, text):
     return pl.Series("id", [pid]), pl.Series("problem", [text])
 
 
-def test_predict_returns_the_vote_as_a_one_row_frame_and_loads_lazily(tmp_path):
+def scripted(tmp_path, answer="1042", logs=None, **kw):
+    made = []
+
+    def factory():
+        made.append(ScriptedEngine(boxed(answer)))
+        return made[-1]
+    p = Predictor(engine_folder(tmp_path), problems=3, engine_factory=factory,
+                  log=(logs.append if logs is not None else lambda m: None), **kw)
+    return p, made
+
+
+def test_predict_takes_one_series_per_csv_column_and_returns_the_id_as_given(tmp_path):
     made = []
 
     def factory():
@@ -54,25 +76,109 @@ def test_predict_returns_the_vote_as_a_one_row_frame_and_loads_lazily(tmp_path):
         return made[-1]
     p = Predictor(engine_folder(tmp_path, solver={"modulus": 1000, "samples": 2, "early_stop_first": 2,
                                                   "early_stop_agree": 2, "enough_finished": 2}),
-                  problems=3, engine_factory=factory)
+                  problems=3, engine_factory=factory, log=lambda m: None)
     assert not made  # nothing loaded before the first call
-    df = p.predict(*series("q1", "What is 6 times 7?"))
+    row = csv_row(tmp_path)
+    assert [s.name for s in row] == ["id", "problem", "answer"] and row[0].dtype == pl.Int64
+    df = p.predict(*row)  # three positional Series: the answer column is ignored
     assert df.columns == ["id", "answer"] and df.shape == (1, 2)
-    assert df["id"][0] == "q1" and df["answer"][0] == 42 and isinstance(df["answer"][0], int)  # 1042 mod 1000
+    assert df["id"].dtype == pl.Int64 and df["id"].equals(row[0])  # AIMO-2's gateway compares the ids
+    assert df["answer"].dtype == pl.Int64 and df["answer"][0] == 42  # 1042 mod 1000
     p.predict(*series("q2", "again"))
     assert len(made) == 1 and p.budget.done == 2
+    assert set(p.timings) == {"first_call", "first_answer"}
     p.close()
 
 
-def test_predict_answers_even_when_everything_fails(tmp_path):
+@pytest.mark.parametrize("competition,answer_range,raw,expected", [
+    ("aimo3", None, str(10 ** 30), 10 ** 30 % 100000), ("aimo2", None, "123456", 456),
+    ("aimo3", 1000, "-3", 997), ("aimo3", None, "99999", 99999)])
+def test_answers_are_in_the_competitions_range_and_never_wider_than_int64(tmp_path, competition, answer_range, raw,
+                                                                         expected):
+    p, _ = scripted(tmp_path, answer=raw, competition=competition, answer_range=answer_range)
+    df = p.predict(*series("q", "x"))
+    assert df["answer"][0] == expected and df["answer"].dtype == pl.Int64
+    df.to_arrow()  # what the relay does: an Int128 column fails here
+    p.close()
+
+
+def test_predict_reads_frames_pandas_and_plain_values(tmp_path):
+    import pandas as pd
+
+    p, made = scripted(tmp_path, answer="5")
+    frame = pl.DataFrame({"id": ["a", "b"], "problem": ["one", "two"], "answer": [1, 2]})
+    assert p.predict(frame).rows() == [("a", 5), ("b", 5)]
+    assert p.predict(pd.DataFrame({"id": [3], "problem": ["three"]})).rows() == [(3, 5)]
+    assert p.predict(pd.Series([4], name="id"), pd.Series(["four"], name="problem")).rows() == [(4, 5)]
+    assert p.predict("e", "five").rows() == [("e", 5)]
+    empty = p.predict(pl.Series("id", [], dtype=pl.Int64), pl.Series("problem", [], dtype=pl.String))
+    assert empty.shape == (0, 2) and empty.columns == ["id", "answer"]
+    with pytest.raises(ValueError, match="without columns id and problem"):
+        p.predict(pl.DataFrame({"x": [1]}))
+    with pytest.raises(ValueError, match="2 ids but 1 problems"):
+        p.predict(pl.Series("id", [1, 2]), pl.Series("problem", ["a"]))
+    p.close()
+
+
+def test_a_null_or_oversized_problem_is_answered_by_default_without_the_engine(tmp_path):
+    logs = []
+    p, made = scripted(tmp_path, answer="5", logs=logs)
+    assert p.predict(pl.Series("id", [1]), pl.Series("problem", [None], dtype=pl.String))["answer"][0] == 0
+    assert any("null or empty" in m for m in logs)
+    huge = "x" * 1_000_000  # a 1 MB problem: over max_input_len (256 in the test recipes)
+    assert p.predict(*series("big", huge))["answer"][0] == 0
+    assert any("over the engine's max_input_len 256" in m for m in logs)
+    assert len(made) == 1 and p.restarts == 0 and not made[0].requests  # never asked, never restarted
+    assert p.predict(*series("ok", "fine"))["answer"][0] == 5
+    p.close()
+
+
+def test_an_engine_that_cannot_load_fails_loudly_instead_of_answering_zeros(tmp_path):
     def broken():
         raise RuntimeError("CUDA out of memory")
-    p = Predictor(engine_folder(tmp_path, solver={"default_answer": 7, "samples": 2, "early_stop_first": 2,
-                                                  "early_stop_agree": 2, "enough_finished": 2}),
-                  problems=2, engine_factory=broken, log=lambda m: None)
-    df = p.predict(*series("q1", "x"))
-    assert df["answer"][0] == 7
+    p = Predictor(engine_folder(tmp_path), problems=2, engine_factory=broken, log=lambda m: None)
+    with pytest.raises(EngineStartError, match="could not be loaded: RuntimeError: CUDA out of memory"):
+        p.predict(*series("q1", "x"))
     p.close()
+
+
+def test_a_sandbox_that_cannot_start_is_reported_as_the_sandbox(tmp_path, monkeypatch):
+    import server.assembly
+
+    def no_pool(tool, **config):
+        raise OSError("bwrap: permission denied")
+    monkeypatch.setattr(server.assembly, "sandbox_for", no_pool)
+    p, made = scripted(tmp_path)
+    with pytest.raises(EngineStartError, match="sandbox pool could not start: OSError: bwrap"):
+        p.predict(*series("q1", "x"))
+    assert not made  # not misreported as "no engine"
+
+
+def test_broken_engine_folders_fail_when_the_predictor_is_made(tmp_path, tiny_models):
+    good = engine_folder(tmp_path, tiny_models)
+    Predictor(good, problems=1)  # checks only: nothing loads
+
+    def broken(name, damage):
+        folder = tmp_path / name
+        shutil.copytree(good, folder)
+        damage(folder)
+        return folder
+    weights = sorted((good / "model").glob("*.safetensors"))[0].name
+    cases = [
+        (broken("json", lambda f: (f / "engine.json").write_text('{"backend": "emb')), "engine.json: not valid JSON"),
+        (broken("nomodel", lambda f: shutil.rmtree(f / "model")), "model: missing"),
+        (broken("trunc", lambda f: (f / "model" / weights).write_bytes((f / "model" / weights).read_bytes()[:-100])),
+         "truncated or corrupt copy"),
+        (broken("header", lambda f: (f / "model" / weights).write_bytes(b"\x10\x00")), "truncated safetensors"),
+    ]
+    for folder, words in cases:
+        with pytest.raises(EngineFolderError, match=words):
+            Predictor(folder, problems=1)
+    trt = broken("trt", lambda f: None)
+    spec = json.loads((trt / "engine.json").read_text())
+    (trt / "engine.json").write_text(json.dumps({**spec, "backend": "trtllm", "engine_dir": "engine"}))
+    with pytest.raises(EngineFolderError, match="engine/config.json: missing"):
+        Predictor(trt, problems=1)
 
 
 class DyingEngine(ScriptedEngine):
@@ -83,7 +189,7 @@ class DyingEngine(ScriptedEngine):
         self.die = die
 
     @property
-    def ready(self) -> bool:
+    def alive(self) -> bool:
         return not self.die
 
     async def generate(self, request):
@@ -107,50 +213,104 @@ def test_a_dead_engine_is_restarted_and_the_problem_continues_from_fresh_samples
     p.close()
 
 
-def test_gateway_shuffles_checks_and_scores(tmp_path):
-    problems = tmp_path / "p.csv"
-    problems.write_text("id,problem,answer\na,one,1\nb,two,2\nc,three,3\n")
-    seen = []
-
-    def predict(id_, problem):
-        seen.append(id_.item(0))
-        return pl.DataFrame({"id": [id_.item(0)], "answer": [{"one": 1, "two": 2, "three": 0}[problem.item(0)]]})
-    report = gateway.run(predict, problems, tmp_path / "out", seed=3, log=lambda m: None)
-    assert sorted(seen) == ["a", "b", "c"] and report["correct"] == 2 and report["scored"] == 3
-    rows = list(csv.DictReader((tmp_path / "out" / "submission.csv").open()))
-    assert sorted(r["id"] for r in rows) == ["a", "b", "c"]
-
-    for bad, words in [(lambda i, p: pl.DataFrame({"answer": [1]}), "columns id, answer"),
-                       (lambda i, p: pl.DataFrame({"id": [i.item(0)], "answer": ["1"]}), "must be an integer"),
-                       (lambda i, p: pl.DataFrame({"id": ["zz"], "answer": [1]}), "returned the id")]:
-        with pytest.raises(gateway.GatewayError, match=words):
-            gateway.run(bad, problems, tmp_path / "bad", log=lambda m: None)
-
-    def slow(id_, problem):
-        time.sleep(1.0)
-        return pl.DataFrame({"id": [id_.item(0)], "answer": [0]})
-    with pytest.raises(gateway.GatewayError, match="no answer within"):
-        gateway.run(slow, problems, tmp_path / "slow", answer_timeout=0.2, log=lambda m: None)
+def kill_engine_thread(engine) -> None:
+    """A fault inside the scheduler thread outside its per-step guard (a malformed inbox message)."""
+    engine._inbox.put(("call", None))
+    engine._thread.join(timeout=10)
 
 
-def test_generated_notebook_runs_offline_end_to_end(tiny_models, tmp_path):
-    """`make kaggle`'s folder, executed headlessly: pip --no-index install, predict, local gateway."""
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread's death is the test
+def test_the_embedded_engine_reports_a_dead_thread_and_fails_its_requests_at_once(tiny_models):
+    from server.embedded.engine import EmbeddedEngine
+    from server.protocol import Request, SamplingParams
+
+    engine = EmbeddedEngine.from_dir(tiny_models["llama-tir"], max_seq_len=128, device="cpu")
+    assert engine.alive and engine.ready
+    kill_engine_thread(engine)
+    assert not engine._thread.is_alive() and not engine.alive and not engine.ready
+
+    async def one():
+        req = Request("hello", SamplingParams(max_tokens=8), "r1")
+        return [ev async for ev in engine.generate(req)][-1]
+    t0 = time.monotonic()
+    final = asyncio.run(asyncio.wait_for(one(), timeout=10))
+    assert final.finish_reason == "error" and "engine thread" in final.error and time.monotonic() - t0 < 5
+    asyncio.run(engine.close())
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_the_predictor_restarts_an_embedded_engine_whose_thread_died(tmp_path, tiny_models):
+    from server.embedded.engine import EmbeddedEngine
+
+    lives = []
+
+    def factory():
+        lives.append(EmbeddedEngine.from_dir(tiny_models["llama-tir"], max_seq_len=128, device="cpu"))
+        return lives[-1]
+    logs = []
+    p = Predictor(engine_folder(tmp_path), problems=3, engine_factory=factory, log=logs.append)
+    p.predict(*series("q1", "What is 1 plus 1?"))
+    kill_engine_thread(lives[0])
+    t0 = time.monotonic()
+    p.predict(*series("q2", "What is 2 plus 2?"))
+    assert len(lives) == 2 and p.restarts == 1 and any("found dead" in m for m in logs)
+    assert time.monotonic() - t0 < p.serving.budget.base_seconds  # not a wait for the deadline
+    p.close()
+
+
+def test_generated_notebook_runs_against_the_faithful_gateway_on_the_shipped_problems(tiny_models, tmp_path,
+                                                                                      monkeypatch):
+    """`make kaggle`'s folder, executed headlessly with the test double of Kaggle's kaggle_evaluation on
+    the path: the notebook imports it, its run_local_gateway calls predict(*row) with the shipped CSV's
+    three columns, validates each answer and writes submission.parquet."""
     from server.kaggle.execute import execute
     from server.kaggle.package import build
 
-    problems = tmp_path / "problems.csv"
-    problems.write_text("id,problem,answer\np1,What is 6 times 7?,42\np2,What is 2 plus 3?,5\np3,Name a prime.,\n")
-    dataset = tmp_path / "aimo-trt"
-    info = build(engine_folder(tmp_path, tiny_models), dataset, problems, wheels="project", problems=3)
-    assert [w.startswith("aimo_trt-") for w in info["wheels"]] == [True]
+    shipped = ROOT / "engines" / "problems" / "smoke.csv"
+    n = len(shipped.read_text().strip().splitlines()) - 1
+    dataset = tmp_path / "input" / "datasets" / "someone" / "aimo-trt-smoke"  # found by the notebook, not told
+    info = build(engine_folder(tmp_path, tiny_models), dataset, shipped, wheels="project", problems=n,
+                 dataset_name="aimo-trt-smoke")
+    assert [w.startswith("aimo_trt-") for w in info["wheels"]] == [True] and info["dataset"] == "aimo-trt-smoke"
+    monkeypatch.setenv("PYTHONPATH", str(ROOT / "tests" / "kaggle_double"))
+    monkeypatch.setenv("KAGGLE_DOUBLE_SEED", "1")
     out, site = tmp_path / "working", tmp_path / "site"
-    report = execute(dataset, out, site=site, problems=3, samples=2, timeout=600)
-    rows = list(csv.DictReader((out / "submission.csv").open()))
-    assert sorted(r["id"] for r in rows) == ["p1", "p2", "p3"] and all(r["answer"].lstrip("-").isdigit() for r in rows)
-    assert report["problems"] == 3 and report["scored"] == 2
+    report = execute(dataset, out, site=site, problems=n, samples=2, timeout=900,
+                     env={"AIMO_TRT_DATASET": "", "AIMO_KAGGLE_INPUT": str(tmp_path / "input")})
+    assert report["error"] is None, report["error"]
+    assert "kaggle_evaluation:" in report["printed"] and str(ROOT / "tests" / "kaggle_double") in report["printed"]
+    double = report["double_report"]
+    assert double["error"] is None and len(double["calls"]) == n
+    assert all(c["args"] == ["id", "problem", "answer"] for c in double["calls"])
+    assert report["problems"] == n and not report["missing"] and report["scored"] == n
+    sub = pl.read_parquet(out / "submission.parquet")
+    assert sub.columns == ["id", "answer"] and sub["answer"].dtype == pl.Int64
+    assert sub["answer"].is_between(0, 99999).all()
     assert (site / "server" / "kaggle" / "predict.py").is_file()  # the notebook ran the installed wheel
-    assert "installed 1 wheels" in report["printed"]
-    assert (out / "aimo_trt.executed.ipynb").is_file()
+    first = double["calls"][0]["started_after_import"]
+    times = report["aimo_trt_timings"]
+    assert 0 < first < report["notebook_seconds"] and 0 < times["first_call"] <= times["first_answer"]
+    assert double["startup_warning"] is False
+    print(f"notebook: first predict {first}s after kaggle_evaluation was imported ({times['first_call']}s after the "
+          f"first cell), first answer {times['first_answer']}s; {report['correct']}/{report['scored']} correct; "
+          f"{report['notebook_seconds']}s in all")
+
+
+def test_the_notebook_in_a_rerun_without_kaggle_evaluation_fails_at_its_first_cell(tmp_path, tiny_models,
+                                                                                   monkeypatch):
+    from server.kaggle.execute import execute
+    from server.kaggle.package import build
+
+    problems = tmp_path / "p.csv"
+    problems.write_text("id,problem,answer\n1,one,1\n")
+    dataset = tmp_path / "aimo-trt"
+    build(engine_folder(tmp_path, tiny_models), dataset, problems, wheels="project", problems=1)
+    monkeypatch.setenv("KAGGLE_IS_COMPETITION_RERUN", "1")
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    out = tmp_path / "working"
+    report = execute(dataset, out, site=tmp_path / "site", timeout=120, env={"AIMO_KAGGLE_INPUT": str(tmp_path)})
+    assert report["error"] and "the scored rerun needs kaggle_evaluation" in report["error"]
+    assert not (out / "submission.parquet").exists() and "installed" not in report["printed"]
 
 
 # ------------------------------------------------------------------ make kaggle BACKEND=trtllm
@@ -161,6 +321,9 @@ def trtllm_engine_folder(tmp_path: Path) -> Path:
     out = tmp_path / "trtllm-engine"
     (out / "engine").mkdir(parents=True)
     (out / "engine" / "rank0.engine").write_bytes(b"plan")
+    (out / "engine" / "config.json").write_text("{}")
+    (out / "model").mkdir()
+    (out / "model" / "tokenizer.json").write_text("{}")
     (out / "engine.json").write_text(json.dumps(engine_config(recipe, "trtllm")))
     return out
 
@@ -216,3 +379,40 @@ def test_make_kaggle_trtllm_without_wheels_stops_before_any_work():
     proc = subprocess.run(["make", "-s", "kaggle", "BACKEND=trtllm", "TRTLLM_WHEELS="], cwd=root,
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "set TRTLLM_WHEELS" in proc.stdout + proc.stderr
+
+
+def test_make_kaggle_checks_its_inputs_before_writing_anything(tmp_path, tiny_models):
+    from server.kaggle.package import build
+
+    problems = tmp_path / "p.csv"
+    problems.write_text("id,problem,answer\na,one,1\n")
+    good = engine_folder(tmp_path, tiny_models)
+    broken = tmp_path / "broken"
+    shutil.copytree(good, broken)
+    shutil.rmtree(broken / "model")
+    out = tmp_path / "out"
+    with pytest.raises(EngineFolderError, match="model: missing"):
+        build(broken, out, problems)
+    with pytest.raises(ValueError, match="dataset name 'My Set!'"):
+        build(good, out, problems, dataset_name="My Set!")
+    bad_csv = tmp_path / "bad.csv"
+    bad_csv.write_bytes(b"id,problem\na,caf\xe9\n")
+    with pytest.raises(ValueError, match="bad.csv: line 2: not UTF-8"):
+        build(good, out, bad_csv)
+    assert not out.exists()
+
+
+def test_an_engine_that_dies_and_cannot_be_restarted_fails_loudly(tmp_path):
+    lives = []
+
+    def factory():
+        if lives:
+            raise RuntimeError("CUDA error: an illegal memory access")
+        lives.append(DyingEngine(die=False))
+        return lives[-1]
+    p = Predictor(engine_folder(tmp_path), problems=3, engine_factory=factory, log=lambda m: None)
+    assert p.predict(*series("q1", "x"))["answer"][0] == 5
+    lives[0].die = True  # found dead before the next problem
+    with pytest.raises(EngineStartError, match="illegal memory access"):
+        p.predict(*series("q2", "x"))
+    p.close()

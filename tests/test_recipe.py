@@ -76,6 +76,16 @@ def test_serving_defaults_are_the_anchors():
     (lambda d: d["serving"]["solver"].update(vote="median"), "serving.solver.vote", "'median'"),
     (lambda d: d["serving"].update(code_limit_notice=3), "serving.code_limit_notice", "3"),
     (lambda d: d["serving"]["tool"].update(stateful="yes"), "serving.tool.stateful", "'yes'"),
+    (lambda d: d.setdefault("serving", {}).setdefault("budget", {}).update(total_seconds=0),
+     "serving.budget.total_seconds", "0"),
+    (lambda d: d.setdefault("serving", {}).setdefault("budget", {}).update(total_seconds=-5.0),
+     "serving.budget.total_seconds", "-5.0"),
+    (lambda d: d["merge"]["weights"].update(cot=float("nan")), "merge.weights.cot", "nan"),
+    (lambda d: d["merge"]["weights"].update(tir=float("inf")), "merge.weights.tir", "inf"),
+    (lambda d: d["sources"].update(cot={"kind": "gguf_package", "package": "no-such-pkg-zz", "file": "m.gguf"}),
+     "sources.cot.package", "'no-such-pkg-zz'"),
+    (lambda d: d.update(kaggle={"answer_range": 1}), "kaggle.answer_range", "1"),
+    (lambda d: d.update(kaggle={"competition": "aimo9"}), "kaggle.competition", "'aimo9'"),
 ])
 def test_bad_recipe_names_file_key_and_value(tmp_path, mutate, key, value):
     msg = _error(tmp_path, mutate)
@@ -87,6 +97,29 @@ def test_yaml_syntax_error_names_line(tmp_path):
     p.write_text("name: x\nmerge: [1, 2\n")
     with pytest.raises(RecipeError, match=r"broken.yaml: line \d+: not valid YAML"):
         load_recipe(p)
+
+
+@pytest.mark.parametrize("content,words", [
+    (b"", "the recipe is empty"), (b"# nothing but a comment\n", "the recipe is empty"),
+    (b"name: x\nmerge:\n  base_model: caf\xe9\n", r"line 3: not UTF-8 \(byte 0xe9\)"),
+    (b"- a\n- b\n", "a recipe is a mapping of sections"),
+])
+def test_empty_or_undecodable_recipes_say_so(tmp_path, content, words):
+    p = tmp_path / "r.yaml"
+    p.write_bytes(content)
+    with pytest.raises(RecipeError, match=words):
+        load_recipe(p)
+
+
+def test_kaggle_section_defaults_per_competition(tmp_path):
+    from trtbuild.core.recipe import ANSWER_RANGES
+
+    data = _base()
+    r = parse_recipe({**data, "name": "x", "kaggle": {"competition": "aimo2"}}, check_paths=False)
+    assert r.kaggle.answers_modulo == 1000 == ANSWER_RANGES["aimo2"]
+    assert parse_recipe({**data, "name": "x"}, check_paths=False).kaggle.answers_modulo == 100000
+    r = parse_recipe({**data, "name": "x", "kaggle": {"answer_range": 77}}, check_paths=False)
+    assert r.kaggle.answers_modulo == 77
 
 
 def test_missing_file(tmp_path):

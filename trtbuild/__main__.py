@@ -4,7 +4,8 @@ Stages (the table in `trtbuild/stages.py`): sources, merge, quantize, drafter, b
 them all in order; `check` validates a recipe; `report` summarises the manifests of a finished
 build; `doctor` says which backends this machine can use and why not. Each stage skips itself when
 its fingerprint (recipe section, upstream fingerprints, inputs, VERSION) matches the finished
-output; `TRTBUILD_FORCE=<stage>` (`make ... FORCE=<stage>`) rebuilds it anyway.
+output and its files match its manifest; `TRTBUILD_FORCE=<stage>` (`make ... FORCE=<stage>`)
+rebuilds it anyway. Stage commands hold a lock on `engines/<model>/` (a second run waits).
 """
 
 from __future__ import annotations
@@ -99,6 +100,15 @@ def main(argv: list[str] | None = None) -> int:
         print(text)
         return 0 if usable else 1
     todo = STAGES if args.command == "engine" else (args.command,)
+    try:
+        with mf.folder_lock(recipe.out_dir):  # one build of a model's folder at a time
+            return _run_stages(todo, recipe, args)
+    except KeyboardInterrupt:
+        print("interrupted while waiting for the lock; nothing was changed", file=sys.stderr)
+        return 130
+
+
+def _run_stages(todo: tuple[str, ...], recipe: Recipe, args: argparse.Namespace) -> int:
     for stage in todo:
         t = time.time()
         try:

@@ -1,7 +1,15 @@
-"""Stage bookkeeping primitives: fingerprints, file hashes, atomic output folders, `manifest.json`.
+"""Stage bookkeeping primitives: fingerprints, file hashes, atomic output folders, `manifest.json`,
+the check of a finished folder against its manifest, and the lock of a model's output folder.
 
 The rules that use them (when a stage is stale, the skip / scratch / rename guard) live in
 `trtbuild.stages`, once.
+
+What a manifest's `verify` block records, and why it stays cheap for large models: the size of
+every file in the stage folder (checked on every run: a stat per file, and it catches the usual
+damage, a copy or write cut short by a full disk or a Ctrl-C), and the sha256 of files up to
+VERIFY_HASH_BYTES (configs, tokenizers, small drafters and test models: a few MB read per run).
+Large weights are not re-hashed on every run (a 14B checkpoint would cost minutes); their bytes
+changing in place at the same size is not detected: `FORCE=<stage>` rebuilds such a stage.
 """
 
 from __future__ import annotations
@@ -18,7 +26,11 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
+from trtbuild.core.atomic import write_atomic
+
 MANIFEST = "manifest.json"
+VERIFY_HASH_BYTES = 8 << 20  # files up to this size are hashed at build time and checked on every run
+LOCK = ".lock"
 TRACKED_LIBRARIES = (
     "numpy", "pyyaml", "torch", "transformers", "mergekit", "nvidia-modelopt", "safetensors",
     "peft", "accelerate", "gguf", "tokenizers", "tensorrt-llm",
@@ -65,16 +77,93 @@ def library_versions() -> dict[str, str]:
     return out
 
 
-def read_manifest(folder: Path) -> dict[str, Any] | None:
+def load_manifest(folder: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """(manifest, None), (None, None) when there is none, or (None, why) when it cannot be read."""
+    path = folder / MANIFEST
     try:
-        return json.loads((folder / MANIFEST).read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except FileNotFoundError:
+        return None, None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return None, f"{type(e).__name__}: {e}"
+    if not isinstance(data, dict):
+        return None, f"a JSON {type(data).__name__}, not an object"
+    return data, None
+
+
+def read_manifest(folder: Path) -> dict[str, Any] | None:
+    return load_manifest(folder)[0]
 
 
 def is_current(folder: Path, fp: str) -> bool:
     m = read_manifest(folder)
     return m is not None and m.get("fingerprint") == fp and m.get("status") == "done"
+
+
+def _listing(folder: Path) -> list[Path]:
+    """The files a stage folder holds (its own manifest and hidden entries, e.g. locks, left out)."""
+    out = []
+    for p in sorted(folder.rglob("*")):
+        rel = p.relative_to(folder)
+        if p.is_file() and str(rel) != MANIFEST and not any(part.startswith(".") for part in rel.parts):
+            out.append(p)
+    return out
+
+
+def record_files(folder: Path) -> dict[str, Any]:
+    """The `verify` block: every file's size, and the sha256 of the small ones (see the module doc)."""
+    sizes, hashes = {}, {}
+    for p in _listing(folder):
+        rel, size = str(p.relative_to(folder)), p.stat().st_size
+        sizes[rel] = size
+        if size <= VERIFY_HASH_BYTES:
+            hashes[rel] = sha256_file(p)
+    return {"sizes": sizes, "sha256": hashes, "hash_limit_bytes": VERIFY_HASH_BYTES}
+
+
+def verify(folder: Path, manifest: dict[str, Any]) -> str | None:
+    """What in `folder` no longer matches its manifest (None: all of it does, or nothing is recorded)."""
+    rec = manifest.get("verify")
+    if not isinstance(rec, dict):
+        return None  # a manifest from before verification: trusted as it was
+    for rel, size in (rec.get("sizes") or {}).items():
+        p = folder / rel
+        if not p.is_file():
+            return f"{rel} is missing"
+        if p.stat().st_size != size:
+            return f"{rel} is {p.stat().st_size} bytes but was {size} when built (truncated or changed)"
+    for rel, digest in (rec.get("sha256") or {}).items():
+        if sha256_file(folder / rel) != digest:
+            return f"{rel} changed since it was built (sha256)"
+    return None
+
+
+@contextlib.contextmanager
+def folder_lock(folder: Path, wait_log: Any = None) -> Iterator[None]:
+    """Exclusive use of a model's output folder across processes (flock on `<folder>/.lock`): a second
+    `make engine` waits for the first, then finds its stages current instead of redoing them."""
+    import fcntl
+
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / LOCK, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            (wait_log or (lambda m: log("lock", m)))(f"{folder} is in use by {holder}; waiting for it to finish ...")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()}\n")
+        f.flush()
+        try:
+            yield
+        finally:
+            f.seek(0)
+            f.truncate()
+            f.flush()
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def touch(folder: Path) -> None:
@@ -111,6 +200,7 @@ def write_manifest(folder: Path, stage: str, fp: str, started: float, **fields: 
         "size_bytes": dir_size(folder),
         "libraries": library_versions(),
         **fields,
+        "verify": record_files(folder),
     }
-    (folder / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=False, default=str) + "\n")
+    write_atomic(folder / MANIFEST, json.dumps(manifest, indent=2, sort_keys=False, default=str) + "\n")
     return manifest

@@ -8,14 +8,13 @@ Each source gets `sources/<name>/` with its own manifest, so a failure in one ke
 
 from __future__ import annotations
 
-import importlib.util
 import time
 from pathlib import Path
 from typing import Any
 
 from trtbuild import manifest as mf
 from trtbuild import stages
-from trtbuild.core.recipe import GGUFPackageSource, HFSource, Recipe, RecipeError, TIRFinetuneSource, to_data
+from trtbuild.core.recipe import GGUFPackageSource, HFSource, Recipe, TIRFinetuneSource, gguf_file, to_data
 from trtbuild.tir_data import VERSION as TIR_VERSION
 
 VERSION = 2  # bump when the output of this stage changes for the same inputs (2: TIR fine-tune in float32 on CPU)
@@ -23,13 +22,7 @@ STAGE = "sources"
 
 
 def gguf_path(src: GGUFPackageSource, where: str) -> Path:
-    spec = importlib.util.find_spec(src.package.replace("-", "_"))
-    if spec is None or not spec.submodule_search_locations:
-        raise RecipeError(f"{where}: sources: package {src.package!r} is not installed (run `make setup`)")
-    path = Path(list(spec.submodule_search_locations)[0]) / src.file
-    if not path.is_file():
-        raise RecipeError(f"{where}: sources: {src.file!r} not found in package {src.package!r} ({path})")
-    return path
+    return gguf_file(src, f"{where}: sources")
 
 
 def gguf_to_hf(path: Path, out: Path) -> None:

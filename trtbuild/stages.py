@@ -16,6 +16,11 @@ stage, which skips itself when current. A code change that did not bump `VERSION
 the manifest records the hashes of the stage's code, and a skipped stage whose code changed says
 so and how to redo it (`FORCE=<stage>`).
 
+Current also means intact: the files a manifest records (sizes always, sha256 of small files; see
+`trtbuild.manifest`) are checked before a stage is trusted, and a stage whose files or manifest are
+damaged is rebuilt, with a line saying what was wrong. `python -m trtbuild` holds a lock on the
+model's output folder for the whole run, so two concurrent `make engine` runs do the work once.
+
 `produce` is the guard: skip when current, else build in a hidden scratch folder, write the
 manifest, and rename the folder into place only when everything succeeded. A failed or
 interrupted stage therefore leaves every earlier output intact, and the next run resumes there.
@@ -103,10 +108,20 @@ def forced(name: str) -> bool:
 def current(name: str, folder: Path, fp: str) -> bool:
     """True when `folder` holds this fingerprint's finished output (and it is not forced): logged,
     with a notice when the stage's code changed since the output was built."""
-    if forced(name) or not mf.is_current(folder, fp):
+    if forced(name):
+        return False
+    manifest, unreadable = mf.load_manifest(folder)
+    if unreadable:
+        mf.log(name, f"{folder / mf.MANIFEST} cannot be read ({unreadable}); rebuilding the stage")
+        return False
+    if manifest is None or manifest.get("fingerprint") != fp or manifest.get("status") != "done":
+        return False
+    problem = mf.verify(folder, manifest)
+    if problem:
+        mf.log(name, f"{folder}: {problem}; rebuilding the stage")
         return False
     mf.touch(folder)
-    recorded = (mf.read_manifest(folder) or {}).get("code") or {}
+    recorded = manifest.get("code") or {}
     changed = sorted(k for k, v in code_hashes(name).items() if recorded.get(k, v) != v)
     mf.log(name, f"up to date ({folder})")
     if changed:

@@ -198,6 +198,8 @@ class EmbeddedEngine(EngineBase):
         self._closed = False
         self._ready = threading.Event()
         self._load_error: Optional[BaseException] = None
+        self._died: Optional[str] = None  # why the scheduler thread ended, when it ended other than by shutdown
+        self._life = threading.Lock()  # orders a submission against the thread's death
         self._thread = threading.Thread(target=self._run, args=(model, tokenizer, load, threads),
                                         name="embedded-engine", daemon=True)
         self._thread.start()
@@ -206,9 +208,14 @@ class EmbeddedEngine(EngineBase):
             raise self._load_error
 
     @property
+    def alive(self) -> bool:
+        """The scheduler thread is running (liveness, not a flag: a thread that died says so here)."""
+        return self._thread.is_alive() and self._died is None and self._load_error is None and not self._closed
+
+    @property
     def ready(self) -> bool:
-        """Loaded and serving (false before, and after shutdown)."""
-        return self._ready.is_set() and self._load_error is None and not self._closed
+        """Loaded and serving (false before, after shutdown, and once the engine thread died)."""
+        return self._ready.is_set() and self.alive
 
     def _run(self, model: Any, tokenizer: Any, load: Optional[Callable[[], tuple[Any, Any]]], threads: Optional[int]) -> None:
         try:
@@ -319,7 +326,12 @@ class EmbeddedEngine(EngineBase):
     # ---- the driver (generate, tokenize, detokenize, chat_prompt: EngineBase)
     def _submit(self, stream: RequestStream) -> None:
         gen = make_generator(stream.params.seed)
-        self._inbox.put(("add", _Seq(stream, gen, gen.initial_seed())))
+        with self._life:
+            if self._died is None and self._thread.is_alive():
+                self._inbox.put(("add", _Seq(stream, gen, gen.initial_seed())))
+                return
+        stream.finish("error", f"engine thread is not running ({self._died or 'stopped'})")
+        self._outbox.flush()
 
     def cancel(self, request_id: str) -> None:
         self._inbox.put(("cancel", request_id))
@@ -333,9 +345,29 @@ class EmbeddedEngine(EngineBase):
 
     # ---- the scheduler thread
     def _loop(self) -> None:
-        while self._iteration():
-            self._outbox.flush()  # the step's events reach their callers with one wake-up
-        self._outbox.flush()
+        try:
+            while self._iteration():
+                self._outbox.flush()  # the step's events reach their callers with one wake-up
+        except BaseException as e:  # the thread is going: no request may wait on it forever
+            self._thread_died(f"{type(e).__name__}: {e}")
+            raise
+        finally:
+            self._outbox.flush()
+
+    def _thread_died(self, why: str) -> None:
+        """Fail every request in flight or still queued; later submissions fail at once (see `alive`)."""
+        with self._life:
+            self._died = why
+            self._fail_all(f"engine thread died: {why}")
+            while True:
+                try:
+                    kind, arg = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if kind == "add":
+                    arg.stream.finish("error", f"engine thread died: {why}")
+                elif kind == "call" and isinstance(arg, tuple):
+                    arg[1].put((False, RuntimeError(f"engine thread died: {why}")))
 
     def _iteration(self) -> bool:
         """One scheduler iteration (messages, expiry, admission, one decode step); False at stop."""

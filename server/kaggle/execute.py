@@ -3,7 +3,9 @@
     python -m server.kaggle.execute --dataset engines/mix/kaggle [--samples N]
 
 Sets the paths the notebook reads (AIMO_TRT_DATASET, AIMO_TRT_SITE, AIMO_OUT), executes every cell with
-nbclient in a fresh kernel, saves the executed notebook, and prints the gateway's report.
+nbclient in a fresh kernel whose working directory is the output folder (where the gateway, ours or
+Kaggle's, writes `submission.parquet`), saves the executed notebook, and scores the submission
+against the answer column of the dataset's problems.csv.
 """
 
 from __future__ import annotations
@@ -15,36 +17,58 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
+
+
+def score(submission: Path, problems_csv: Path) -> dict[str, Any]:
+    """Answers in `submission.parquet` against the CSV's answer column (where it has one)."""
+    import polars as pl
+
+    from server.problems import read_problems
+
+    truth = {p.id: p.answer for p in read_problems(problems_csv)}
+    got = {str(i): a for i, a in pl.read_parquet(submission).select("id", "answer").iter_rows()}
+    scored = {k: v for k, v in truth.items() if v is not None}
+    return {"problems": len(got), "missing": sorted(set(truth) - set(got)), "scored": len(scored),
+            "correct": sum(got.get(k) == v for k, v in scored.items()), "answers": got}
 
 
 def execute(dataset: Path, out: Path, site: Optional[Path] = None, problems: Optional[int] = None,
-            samples: Optional[int] = None, timeout: int = 3600) -> dict:
+            samples: Optional[int] = None, timeout: int = 3600, env: Optional[dict[str, str]] = None) -> dict:
+    """Execute the notebook; its report: the score, the gateway's timings, what the cells printed."""
     import nbformat
     from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError
 
     out.mkdir(parents=True, exist_ok=True)
     site = site or Path(tempfile.mkdtemp(prefix="aimo-trt-site-"))
-    env = {"AIMO_TRT_DATASET": str(dataset.resolve()), "AIMO_TRT_SITE": str(site), "AIMO_OUT": str(out.resolve()),
-           "PYTHONNOUSERSITE": "1"}
+    run_env = {"AIMO_TRT_DATASET": str(dataset.resolve()), "AIMO_TRT_SITE": str(site), "AIMO_OUT": str(out.resolve()),
+               "PYTHONNOUSERSITE": "1", **(env or {})}
     if problems:
-        env["AIMO_PROBLEMS"] = str(problems)
+        run_env["AIMO_PROBLEMS"] = str(problems)
     if samples:
-        env["AIMO_SAMPLES"] = str(samples)
+        run_env["AIMO_SAMPLES"] = str(samples)
     nb = nbformat.read(str(dataset / "aimo_trt.ipynb"), as_version=4)
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # the kernel inherits this process's environment
+    saved = {k: os.environ.get(k) for k in run_env}
+    os.environ.update(run_env)  # the kernel inherits this process's environment
     t0 = time.monotonic()
+    error: Optional[str] = None
     try:
         NotebookClient(nb, timeout=timeout, kernel_name="python3",
                        resources={"metadata": {"path": str(out)}}).execute()
+    except CellExecutionError as e:
+        error = str(e)
     finally:
         for k, v in saved.items():
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
         nbformat.write(nb, str(out / "aimo_trt.executed.ipynb"))
-    report = json.loads((out / "gateway_report.json").read_text())
-    report["notebook_seconds"] = round(time.monotonic() - t0, 1)
-    report["printed"] = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []))
+    report: dict[str, Any] = {"notebook_seconds": round(time.monotonic() - t0, 1), "error": error,
+                              "printed": "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []))}
+    for name in ("gateway_report.json", "double_report.json", "result.json", "aimo_trt_timings.json"):
+        if (out / name).is_file():
+            report[name.removesuffix(".json")] = json.loads((out / name).read_text())
+    if (out / "submission.parquet").is_file():
+        report.update(score(out / "submission.parquet", dataset / "problems.csv"))
     return report
 
 
@@ -56,9 +80,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = ap.parse_args(argv)
     out = args.out or args.dataset.parent / "kaggle-run"
     report = execute(args.dataset, out, samples=args.samples)
-    print(f"[kaggle] notebook ran in {report['notebook_seconds']}s: {report['correct']}/{report['scored']} correct, "
-          f"{report['problems']} answered; submission {out / 'submission.csv'}; executed notebook "
-          f"{out / 'aimo_trt.executed.ipynb'}")
+    if report["error"] or "correct" not in report:
+        print(f"[kaggle] the notebook failed after {report['notebook_seconds']}s "
+              f"(executed copy: {out / 'aimo_trt.executed.ipynb'}):\n{report['error'] or 'no submission.parquet'}",
+              file=sys.stderr)
+        return 1
+    times = report.get("aimo_trt_timings") or {}
+    print(f"[kaggle] notebook ran in {report['notebook_seconds']}s (first predict {times.get('first_call')}s and first "
+          f"answer {times.get('first_answer')}s after its start): "
+          f"{report['correct']}/{report['scored']} correct, {report['problems']} answered; submission "
+          f"{out / 'submission.parquet'}; executed notebook {out / 'aimo_trt.executed.ipynb'}")
     return 0
 
 

@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 from typing import Optional
+
+from server.kaggle.competitions import COMPETITIONS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -51,45 +54,84 @@ print("tensorrt-llm", importlib.metadata.version("tensorrt-llm"), "installed int
 """)
 
 
-def notebook(dataset_name: str, problems: int, competition: str, trtllm: bool = False) -> dict:
+def notebook(dataset_name: str, problems: int, competition: str, trtllm: bool = False,
+             answer_range: Optional[int] = None) -> dict:
     """The notebook as nbformat 4 JSON. Paths come from the environment where the test sets them."""
+    comp = COMPETITIONS[competition]
     cells = [
         _cell("markdown", f"""
 # aimo-trt: TIR solver ({competition.upper()} inference API)
 
-Offline: installs the wheels of the `{dataset_name}` dataset with `pip --no-index`, loads the engine
-lazily inside the first `predict` call (the inference server must answer the gateway fast), and
-serves `predict` with Kaggle's inference server, or with the local gateway off Kaggle.
+Offline: imports the competition's `kaggle_evaluation` first (its startup clock starts there),
+finds the `{dataset_name}` dataset wherever it is mounted, installs its wheels with
+`pip --no-index`, loads the engine lazily inside the first `predict` call (the inference server
+must answer the gateway fast), and serves `predict` with Kaggle's inference server, or with the
+local gateway off Kaggle. In the scored rerun a missing `kaggle_evaluation` is an error.
 """),
         _cell("code", f"""
+import time
+T0 = time.time()  # the notebook's start: the time to the first predict is measured from here
 import glob, os, subprocess, sys
-DATASET = os.environ.get("AIMO_TRT_DATASET", "/kaggle/input/{dataset_name}")
+RERUN = bool(os.getenv("KAGGLE_IS_COMPETITION_RERUN"))
+KAGGLE_INPUT = os.environ.get("AIMO_KAGGLE_INPUT", "/kaggle/input")  # where Kaggle mounts data and datasets
+for _init in sorted(glob.glob(os.path.join(KAGGLE_INPUT, "*", "kaggle_evaluation", "__init__.py"))
+                    + glob.glob(os.path.join(KAGGLE_INPUT, "*", "*", "kaggle_evaluation", "__init__.py")))[:1]:
+    sys.path.append(os.path.dirname(os.path.dirname(_init)))  # the competition's data, wherever mounted
+try:
+    import {comp.server_module}  # early, as Kaggle asks: the 900 s startup limit counts from here
+    print("kaggle_evaluation:", os.path.dirname({comp.server_module}.__file__))
+except (ImportError, SystemExit) as e:
+    if RERUN:
+        raise RuntimeError(f"the scored rerun needs kaggle_evaluation (and grpc): {{e!r}}") from None
+    print(f"no kaggle_evaluation ({{e!r}}): the project's local gateway will run")
+
+
+def find_dataset(name):
+    \"\"\"The dataset folder: AIMO_TRT_DATASET, else the folder with our dataset.json and engine/ under
+    KAGGLE_INPUT at any depth Kaggle mounts datasets (/kaggle/input/<slug>, .../datasets/<user>/<slug>).\"\"\"
+    if os.environ.get("AIMO_TRT_DATASET"):
+        return os.environ["AIMO_TRT_DATASET"]
+    found = sorted(os.path.dirname(p) for depth in ("*", "*/*", "*/*/*", "*/*/*/*")
+                   for p in glob.glob(os.path.join(KAGGLE_INPUT, depth, "dataset.json"))
+                   if os.path.isfile(os.path.join(os.path.dirname(p), "engine", "engine.json")))
+    if not found:
+        raise FileNotFoundError(f"dataset {{name!r}} not found under {{KAGGLE_INPUT}} (add it to the notebook)")
+    return ([f for f in found if os.path.basename(f) == name] or found)[0]
+
+
+DATASET = find_dataset("{dataset_name}")
 SITE = os.environ.get("AIMO_TRT_SITE", "/kaggle/tmp/aimo-trt-site")
 wheels = sorted(glob.glob(os.path.join(DATASET, "wheels", "*.whl")))
 assert wheels, f"no wheels in {{DATASET}}/wheels"
 subprocess.run([sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "--quiet", "--upgrade",
                 "--target", SITE, *wheels], check=True)
 sys.path.insert(0, SITE)
-print(f"installed {{len(wheels)}} wheels into {{SITE}}")
+print(f"dataset {{DATASET}}: installed {{len(wheels)}} wheels into {{SITE}}")
 """),
         *([trtllm_install_cell()] if trtllm else []),
         _cell("code", f"""
 from server.kaggle.predict import Predictor
 
 predictor = Predictor(os.path.join(DATASET, "engine"), problems=int(os.environ.get("AIMO_PROBLEMS", "{problems}")),
-                      samples=int(os.environ["AIMO_SAMPLES"]) if os.environ.get("AIMO_SAMPLES") else None)
+                      samples=int(os.environ["AIMO_SAMPLES"]) if os.environ.get("AIMO_SAMPLES") else None,
+                      competition="{competition}", answer_range={answer_range!r}, started_at=T0)
 
 
-def predict(id_, problem):
-    \"\"\"Called by the inference server with single-row polars Series; returns DataFrame(id, answer).\"\"\"
-    return predictor.predict(id_, problem)
+def predict(*row):
+    \"\"\"Called by the inference server with one single-row polars Series per CSV column (id, problem,
+    ...); returns DataFrame(id, answer), the id as given.\"\"\"
+    return predictor.predict(*row)
 """),
         _cell("code", f"""
 from server.kaggle.runner import serve
 
 report = serve(predict, os.path.join(DATASET, "problems.csv"), out=os.environ.get("AIMO_OUT", "/kaggle/working"),
-               competition="{competition}")
+               competition="{competition}", started_at=T0)
 report and print({{k: v for k, v in report.items() if k != "results"}})
+print("timings (s since the notebook started):", predictor.timings)
+import json
+with open("aimo_trt_timings.json", "w") as f:  # the working folder, beside submission.parquet
+    json.dump(predictor.timings, f)
 """),
     ]
     for i, cell in enumerate(cells):
@@ -137,12 +179,23 @@ def trtllm_wheel_set(folder: Optional[Path]) -> list[Path]:
     return wheels
 
 
+DATASET_NAME = re.compile(r"[a-z0-9][a-z0-9-]{1,48}[a-z0-9]")  # a Kaggle dataset slug
+
+
 def build(engine_dir: Path, out: Path, problems_csv: Path, wheels: str = "project", dataset_name: str = "aimo-trt",
           problems: int = 50, competition: str = "aimo3", python_version: str = "3.11",
-          trtllm_wheels: Optional[Path] = None) -> dict:
-    if not (engine_dir / "engine.json").is_file():
-        raise FileNotFoundError(f"{engine_dir}/engine.json: no engine; run `make engine` first")
-    trtllm = json.loads((engine_dir / "engine.json").read_text()).get("backend") == "trtllm"
+          trtllm_wheels: Optional[Path] = None, answer_range: Optional[int] = None) -> dict:
+    """Write the dataset folder `out` (its name on Kaggle: `dataset_name`); checks first, so a bad input
+    leaves nothing half-written."""
+    from server.engine_check import check_engine_folder
+    from server.problems import read_problems
+
+    if not DATASET_NAME.fullmatch(dataset_name):
+        raise ValueError(f"dataset name {dataset_name!r}: use 3-50 lowercase letters, digits and '-' (Kaggle's slug)")
+    if competition not in COMPETITIONS:
+        raise ValueError(f"competition {competition!r}: one of {', '.join(COMPETITIONS)}")
+    trtllm = check_engine_folder(engine_dir).get("backend") == "trtllm"
+    read_problems(problems_csv)  # a CSV the gateway could not read fails here, with its line
     trt_set = trtllm_wheel_set(trtllm_wheels) if trtllm else []
     if trtllm:
         wheels = "project"  # the TensorRT-LLM set brings its own pinned dependencies (transformers 4.57, ...)
@@ -164,9 +217,9 @@ def build(engine_dir: Path, out: Path, problems_csv: Path, wheels: str = "projec
             shutil.copy(w, out / "wheels" / TRTLLM_WHEELS_DIR / w.name)
     shutil.copytree(engine_dir, out / "engine", ignore=shutil.ignore_patterns("manifest.json"))
     shutil.copy(problems_csv, out / "problems.csv")
-    (out / "aimo_trt.ipynb").write_text(json.dumps(notebook(dataset_name, problems, competition, trtllm), indent=1)
-                                        + "\n")
-    info = {"wheels": sorted(p.name for p in (out / "wheels").glob("*.whl")), "pinned": pinned, "mode": wheels,
+    (out / "aimo_trt.ipynb").write_text(json.dumps(notebook(dataset_name, problems, competition, trtllm, answer_range),
+                                                   indent=1) + "\n")
+    info = {"project": "aimo-trt", "dataset": dataset_name, "answer_range": answer_range, "wheels": sorted(p.name for p in (out / "wheels").glob("*.whl")), "pinned": pinned, "mode": wheels,
             "backend": "trtllm" if trtllm else "embedded", "trtllm_wheels": [w.name for w in trt_set],
             "engine": str(engine_dir), "competition": competition, "size_bytes": sum(
                 p.stat().st_size for p in out.rglob("*") if p.is_file())}
@@ -180,12 +233,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--problems", type=Path, default=ROOT / "engines" / "problems" / "smoke.csv")
     ap.add_argument("--wheels", choices=("project", "runtime"), default="runtime")
-    ap.add_argument("--competition", choices=("aimo3", "aimo2"), default="aimo3")
+    ap.add_argument("--competition", choices=("aimo3", "aimo2"), default=None,
+                    help="default: the recipe's kaggle.competition")
+    ap.add_argument("--dataset-name", default="aimo-trt", help="the Kaggle dataset's name (slug) the notebook looks for")
     ap.add_argument("--backend", choices=("auto", "embedded", "trtllm"), default="auto",
                     help="auto: the trtllm engine when one was built, else the embedded one")
     ap.add_argument("--trtllm-wheels", type=Path, default=None,
                     help="folder with the TensorRT-LLM 1.2.x wheel set (needed for a trtllm engine)")
     args = ap.parse_args(argv)
+    from server.engine_check import EngineFolderError
     from trtbuild.core.recipe import RecipeError, load_recipe
 
     try:
@@ -196,13 +252,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         if kind == "trtllm":
             trtllm_wheel_set(args.trtllm_wheels)  # before any packaging work
         out = args.out or recipe.layout.kaggle
-        info = build(recipe.layout.engine(kind), out, args.problems, args.wheels, competition=args.competition,
-                     trtllm_wheels=args.trtllm_wheels)
-    except (RecipeError, FileNotFoundError, ValueError, subprocess.CalledProcessError) as e:
+        competition = args.competition or recipe.kaggle.competition
+        info = build(recipe.layout.engine(kind), out, args.problems, args.wheels, dataset_name=args.dataset_name,
+                     competition=competition, trtllm_wheels=args.trtllm_wheels,
+                     answer_range=recipe.kaggle.answer_range or None)
+    except (RecipeError, EngineFolderError, FileNotFoundError, ValueError, subprocess.CalledProcessError) as e:
         print(f"kaggle: {e}", file=sys.stderr)
         return 2
     print(f"[kaggle] {out}: {len(info['wheels'])} wheels, engine {kind}, {info['size_bytes'] / 1e6:.1f} MB; "
-          f"upload the folder as a dataset and run {out / 'aimo_trt.ipynb'}")
+          f"upload the folder as the dataset {args.dataset_name!r} and run {out / 'aimo_trt.ipynb'}")
     return 0
 
 

@@ -1,40 +1,79 @@
 """Start serving `predict`: Kaggle's own inference server when it is there, else the local gateway.
 
-On Kaggle, the competition ships `kaggle_evaluation` with the data: `serve()` is called when
-KAGGLE_IS_COMPETITION_RERUN is set, `run_local_gateway((csv,))` otherwise. Off Kaggle (or without
-the module) the local gateway (server/kaggle/gateway.py) runs the same calls.
+- Under KAGGLE_IS_COMPETITION_RERUN (the scored run) only the competition's server will do: an
+  import failure there (no `kaggle_evaluation`, no `grpc`) is an error, never a quiet switch to the
+  local gateway, which would write a submission nobody reads.
+- Otherwise the competition's `run_local_gateway((csv,))` when `kaggle_evaluation` imports (it is
+  looked for under /kaggle/input too), else this project's local gateway (server/kaggle/gateway.py).
 """
 
 from __future__ import annotations
 
+import glob
 import importlib
 import os
+import sys
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
-SERVERS = {"aimo3": ("kaggle_evaluation.aimo_3_inference_server", "AIMO3InferenceServer"),
-           "aimo2": ("kaggle_evaluation.aimo_2_inference_server", "AIMO2InferenceServer")}
+from server.kaggle.competitions import RERUN_ENV, competition
+
+KAGGLE_INPUT = os.environ.get("AIMO_KAGGLE_INPUT", "/kaggle/input")  # where Kaggle mounts data (tests move it)
 
 
-def kaggle_server(predict: Callable, competition: str) -> Optional[Any]:
-    module, name = SERVERS[competition]
+class KaggleServerError(RuntimeError):
+    """The competition's inference server is needed (the rerun) and cannot be used."""
+
+
+def add_kaggle_evaluation_path(roots: Optional[Sequence[str]] = None) -> Optional[str]:
+    """Put the folder holding `kaggle_evaluation/` (the competition's data, wherever mounted) on sys.path."""
+    for root in roots or (os.environ.get("AIMO_KAGGLE_INPUT", KAGGLE_INPUT),):
+        for init in sorted(glob.glob(os.path.join(root, "*", "kaggle_evaluation", "__init__.py"))
+                           + glob.glob(os.path.join(root, "*", "*", "kaggle_evaluation", "__init__.py"))):
+            parent = str(Path(init).parents[1])
+            if parent not in sys.path:
+                sys.path.append(parent)
+            return parent
+    return None
+
+
+def import_server(name: str) -> Any:
+    """The competition's InferenceServer class; ImportError (with the reason) when it cannot be had."""
+    comp = competition(name)
+    add_kaggle_evaluation_path()
     try:
-        return getattr(importlib.import_module(module), name)(predict)
-    except ImportError:
-        return None
+        return getattr(importlib.import_module(comp.server_module), comp.server_class)
+    except SystemExit as e:  # kaggle_evaluation exits when its generated gRPC files are missing
+        raise ImportError(f"{comp.server_module} exited on import ({e})") from None
+    except AttributeError as e:
+        raise ImportError(f"{comp.server_module} has no {comp.server_class}: {e}") from None
 
 
 def serve(predict: Callable, problems_csv: Optional[str] = None, out: str = "/kaggle/working",
-          competition: str = "aimo3") -> Optional[dict]:
-    server = kaggle_server(predict, competition)
-    if server is not None:
-        if os.getenv("KAGGLE_IS_COMPETITION_RERUN"):
+          competition: str = "aimo3", started_at: Optional[float] = None, log: Callable[[str], None] = print
+          ) -> Optional[dict]:
+    """Run `predict` under the competition's server (the rerun, or its local gateway) or ours."""
+    rerun = bool(os.getenv(RERUN_ENV))
+    try:
+        server_cls = import_server(competition)
+    except ImportError as e:
+        if rerun:
+            raise KaggleServerError(f"{RERUN_ENV} is set but the competition's inference server cannot be "
+                                    f"imported ({type(e).__name__}: {e}); the scored run needs kaggle_evaluation and "
+                                    "grpc, and must not fall back to the local gateway") from e
+        server_cls = None
+        log(f"[kaggle] no kaggle_evaluation ({e}); running this project's local gateway")
+    if server_cls is not None:
+        server = server_cls(predict)
+        if rerun:
             server.serve()
         else:
-            server.run_local_gateway((problems_csv,) if problems_csv else ())
+            if not problems_csv:
+                raise FileNotFoundError("the competition's local gateway needs a problems CSV")
+            server.run_local_gateway((str(problems_csv),))
         return None
     from server.kaggle.gateway import run
 
     if not problems_csv:
         raise FileNotFoundError("no kaggle_evaluation module and no problems CSV for the local gateway")
-    return run(predict, Path(problems_csv), Path(out))
+    return run(predict, Path(problems_csv), Path(out), competition=competition, started_at=started_at)

@@ -8,6 +8,8 @@ Only the standard library and pyyaml are used here: the core must import anywher
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -256,6 +258,22 @@ class ServingSpec:
     speculative: SpeculativeSpec = field(default_factory=SpeculativeSpec)
 
 
+# answers are reported modulo this per competition: AIMO-2 asked for 0-999, AIMO-3 for 0-99999
+ANSWER_RANGES = {"aimo3": 100000, "aimo2": 1000}
+
+
+@dataclass(frozen=True)
+class KaggleSpec:
+    """The Kaggle competition `make kaggle` targets: its inference server and the answers' range."""
+
+    competition: Literal["aimo3", "aimo2"] = "aimo3"
+    answer_range: Optional[int] = None  # answers modulo this; None: the competition's (ANSWER_RANGES)
+
+    @property
+    def answers_modulo(self) -> int:
+        return self.answer_range or ANSWER_RANGES[self.competition]
+
+
 @dataclass(frozen=True)
 class Recipe:
     name: str
@@ -267,6 +285,7 @@ class Recipe:
     trtllm: TrtllmSpec = field(default_factory=TrtllmSpec)
     quality: QualitySpec = field(default_factory=QualitySpec)
     serving: ServingSpec = field(default_factory=ServingSpec)
+    kaggle: KaggleSpec = field(default_factory=KaggleSpec)
     # Where the recipe came from; relative paths in it resolve against this folder.
     path: Path = field(default=Path("."), compare=False, metadata={"internal": True})
 
@@ -387,6 +406,8 @@ def _convert(value: Any, tp: Any, key: str, where: str) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise fail("expected a number")
+        if not math.isfinite(value):
+            raise fail("expected a finite number")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
@@ -413,6 +434,8 @@ def _check(recipe: Recipe, where: str, check_paths: bool) -> None:
             for k in ("traces", "steps", "batch_size", "lora_rank", "max_length"):
                 if getattr(src, k) <= 0:
                     fail(f"sources.{sname}.{k}", "must be positive", getattr(src, k))
+        if check_paths and isinstance(src, GGUFPackageSource):
+            gguf_file(src, f"{where}: sources.{sname}")
         if check_paths and isinstance(src, HFSource):
             p = recipe.resolve(src.path)
             if not (p / "config.json").is_file():
@@ -504,10 +527,27 @@ def _check(recipe: Recipe, where: str, check_paths: bool) -> None:
     for k in ("base_seconds", "low_seconds", "high_seconds"):
         if getattr(b, k) <= 0:
             fail(f"serving.budget.{k}", "must be > 0", getattr(b, k))
+    if b.total_seconds is not None and b.total_seconds <= 0:
+        fail("serving.budget.total_seconds", "must be > 0 or null (null: problems * base_seconds)", b.total_seconds)
     if b.max_extra_seconds < 0:
         fail("serving.budget.max_extra_seconds", "must be >= 0", b.max_extra_seconds)
     if b.low_seconds > b.high_seconds:
         fail("serving.budget.low_seconds", f"must be <= high_seconds ({b.high_seconds})", b.low_seconds)
+    k = recipe.kaggle
+    if k.answer_range is not None and k.answer_range < 2:
+        fail("kaggle.answer_range", "must be >= 2 or null (null: the competition's range)", k.answer_range)
+
+
+def gguf_file(src: GGUFPackageSource, where: str) -> Path:
+    """The GGUF file inside its installed package (found without importing it); `where` prefixes errors."""
+    spec = importlib.util.find_spec(src.package.replace("-", "_"))
+    if spec is None or not spec.submodule_search_locations:
+        raise RecipeError(f"{where}.package: package {src.package!r} is not installed; run `make setup` "
+                          f"(got {src.package!r})")
+    path = Path(list(spec.submodule_search_locations)[0]) / src.file
+    if not path.is_file():
+        raise RecipeError(f"{where}.file: {src.file!r} not found in package {src.package!r} ({path})")
+    return path
 
 
 def parse_section(data: Any, cls: Any, key: str, where: str) -> Any:
@@ -529,12 +569,22 @@ def load_recipe(path: str | Path, check_paths: bool = True) -> Recipe:
     p = Path(path)
     if not p.is_file():
         raise RecipeError(f"{p}: recipe file not found")
+    raw = p.read_bytes()
     try:
-        data = yaml.safe_load(p.read_text())
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise RecipeError(f"{p}: line {line}: not UTF-8 (byte 0x{raw[e.start]:02x}); save the recipe as UTF-8") from None
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" line {mark.line + 1}" if mark is not None else ""
         raise RecipeError(f"{p}:{at}: not valid YAML: {getattr(e, 'problem', e)}") from None
-    if isinstance(data, dict) and "name" not in data:
+    if data is None:
+        raise RecipeError(f"{p}: the recipe is empty (see engines/mix.yaml for one)")
+    if not isinstance(data, dict):
+        raise RecipeError(f"{p}: a recipe is a mapping of sections (sources, merge, ...) (got {type(data).__name__})")
+    if "name" not in data:
         data = {"name": p.stem, **data}
     return parse_recipe(data, where=str(p), path=p.resolve(), check_paths=check_paths)

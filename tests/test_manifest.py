@@ -1,0 +1,121 @@
+"""The stage guard trusts a stage only when its manifest is readable and its files match it (sizes
+always, sha256 of small files), rebuilds what fails, writes manifests atomically, and one lock per
+model folder keeps two concurrent `make engine` runs from both doing the work."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from trtbuild import manifest as mf
+from trtbuild import stages
+
+
+def build_counter(payload: bytes = b"w" * 4096):
+    calls = []
+
+    def make(tmp: Path) -> dict:
+        calls.append(time.monotonic())
+        (tmp / "model").mkdir()
+        (tmp / "model" / "config.json").write_text('{"layers": 2}')
+        (tmp / "model" / "model.safetensors").write_bytes(payload)
+        return {"note": "test"}
+    return make, calls
+
+
+def test_an_intact_stage_is_current_and_records_what_it_verifies(tmp_path, capfd):
+    final = tmp_path / "merge"
+    make, calls = build_counter()
+    stages.produce("merge", final, "fp1", make)
+    stages.produce("merge", final, "fp1", make)
+    assert len(calls) == 1 and "up to date" in capfd.readouterr().err
+    rec = mf.read_manifest(final)["verify"]
+    assert rec["sizes"] == {"model/config.json": 13, "model/model.safetensors": 4096}
+    assert set(rec["sha256"]) == {"model/config.json", "model/model.safetensors"}
+
+
+@pytest.mark.parametrize("damage,words", [
+    (lambda f: (f / "model" / "model.safetensors").write_bytes(b"w" * 100), "model/model.safetensors is 100 bytes but was 4096"),
+    (lambda f: (f / "model" / "config.json").unlink(), "model/config.json is missing"),
+    (lambda f: (f / "model" / "config.json").write_text('{"layers": 9}'), "model/config.json changed since it was built"),
+    (lambda f: (f / "manifest.json").write_text('{"stage": "merge", "fingerpr'), "manifest.json cannot be read"),
+    (lambda f: (f / "manifest.json").write_bytes(b"\xff\xfe\x00garbage"), "manifest.json cannot be read"),
+    (lambda f: (f / "manifest.json").write_text("null"), "not an object"),
+])
+def test_a_damaged_stage_is_rebuilt_with_a_line_saying_why(tmp_path, capfd, damage, words):
+    final = tmp_path / "merge"
+    make, calls = build_counter()
+    stages.produce("merge", final, "fp1", make)
+    damage(final)
+    capfd.readouterr()
+    stages.produce("merge", final, "fp1", make)
+    err = capfd.readouterr().err
+    assert len(calls) == 2 and words in err and "rebuilding the stage" in err
+    assert mf.verify(final, mf.read_manifest(final)) is None  # whole again
+
+
+def test_large_files_are_checked_by_size_only(tmp_path, monkeypatch):
+    monkeypatch.setattr(mf, "VERIFY_HASH_BYTES", 1000)
+    final = tmp_path / "merge"
+    make, calls = build_counter(b"a" * 4096)
+    stages.produce("merge", final, "fp1", make)
+    rec = mf.read_manifest(final)["verify"]
+    assert set(rec["sha256"]) == {"model/config.json"} and rec["sizes"]["model/model.safetensors"] == 4096
+    (final / "model" / "model.safetensors").write_bytes(b"b" * 4096)  # same size: the documented blind spot
+    assert mf.verify(final, mf.read_manifest(final)) is None
+
+
+def test_a_manifest_from_before_verification_is_trusted(tmp_path):
+    final = tmp_path / "merge"
+    make, calls = build_counter()
+    stages.produce("merge", final, "fp1", make)
+    m = mf.read_manifest(final)
+    del m["verify"]
+    (final / "manifest.json").write_text(json.dumps(m))
+    stages.produce("merge", final, "fp1", make)
+    assert len(calls) == 1
+
+
+def test_two_concurrent_runs_on_one_folder_do_the_work_once(tmp_path):
+    final = tmp_path / "out" / "merge"
+    make, calls = build_counter()
+
+    def slow(tmp: Path) -> dict:
+        time.sleep(0.4)
+        return make(tmp)
+    waited = []
+
+    def one_run():
+        with mf.folder_lock(tmp_path / "out", wait_log=waited.append):
+            stages.produce("merge", final, "fp1", slow)
+    runs = [threading.Thread(target=one_run) for _ in range(2)]
+    for t in runs:
+        t.start()
+        time.sleep(0.1)
+    for t in runs:
+        t.join(10)
+    assert len(calls) == 1 and len(waited) == 1 and f"pid " in waited[0] and "waiting" in waited[0]
+    assert (tmp_path / "out" / ".lock").read_text() == ""  # released
+
+
+def test_the_build_command_takes_the_lock(tmp_path, monkeypatch):
+    import trtbuild.__main__ as cli
+    from small_recipes import write_recipe
+
+    taken = []
+    real = mf.folder_lock
+
+    def spy(folder, wait_log=None):
+        taken.append(folder)
+        return real(folder, wait_log)
+    monkeypatch.setattr(mf, "folder_lock", spy)
+    monkeypatch.setattr(cli, "run_stage", lambda name, recipe, backend: None)
+    recipe = write_recipe(tmp_path, "lk", {"cot": {"kind": "hf", "path": "a"}, "tir": {"kind": "hf", "path": "b"}})
+    monkeypatch.setattr(cli, "load_recipe", lambda path: __import__("trtbuild.core.recipe", fromlist=["x"]).load_recipe(
+        path, check_paths=False))
+    assert cli.main(["merge", "--recipe", str(recipe)]) == 0
+    assert taken == [tmp_path / "lk"]

@@ -1,0 +1,117 @@
+"""`make solve`'s inputs and outputs: problem CSVs read as the real gateway reads them (BOM, 1 MB
+fields) or refused with the file and line, a table that says why an answer is the default, and
+results written after every problem (atomically), so a full disk or Ctrl-C loses nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import json
+from pathlib import Path
+
+import pytest
+
+from server.budget import TimeBudget
+from server.problems import Problem, RunReport, read_problems, run_problems
+from server.solver import SolveResult
+from server.tir import SampleTrace
+from trtbuild.core import atomic
+from trtbuild.core.recipe import BudgetSpec
+
+
+def test_a_bom_and_a_1mb_field_are_read(tmp_path):
+    f = tmp_path / "p.csv"
+    f.write_bytes(b"\xef\xbb\xbfid,problem,answer\nbig,\"" + b"y" * 1_000_000 + b"\",3\n")
+    [p] = read_problems(f)
+    assert p.id == "big" and len(p.text) == 1_000_000 and p.answer == 3
+
+
+@pytest.mark.parametrize("content,words", [
+    (b"id,problem\na,fine\nb,caf\xe9\n", r"p.csv: line 3: not UTF-8 \(byte 0xe9 at offset 23\)"),
+    (b"problem\nx\n", "missing column 'id'"),
+    (b"id,problem,answer\na,x,seven\n", "line 2: column 'answer' must be an integer"),
+])
+def test_bad_csvs_name_the_file_and_line(tmp_path, content, words):
+    f = tmp_path / "p.csv"
+    f.write_bytes(content)
+    with pytest.raises(ValueError, match=words):
+        read_problems(f)
+
+
+def result(pid: str, error: str = "") -> SolveResult:
+    trace = SampleTrace(0, 0, finish="error" if error else "stop", error=error, answer=None if error else 1)
+    return SolveResult(pid, 0 if error else 1, {} if error else {1: 1.0}, "all", 0.1, [trace],
+                       default_used=bool(error))
+
+
+def test_the_table_says_why_an_answer_is_the_default():
+    why = "prompt of 3000 tokens: must be 1..2048 (max_input_len)"
+    report = RunReport([result("long", why), result("fine")])
+    table = report.table()
+    assert f"long         answer 0 is the default: every sample failed: {why}" in table
+    assert "fine" in table and table.count("every sample failed") == 1
+    assert report.summary()["failed"] == {"long": why}
+
+
+class StopsAt:
+    """Test double of the solver: answers 1, and on the `n`th problem the user presses Ctrl-C."""
+
+    def __init__(self, n: int, exc: type[BaseException] = KeyboardInterrupt):
+        self.n, self.exc, self.calls = n, exc, 0
+
+    async def solve(self, pid, text, deadline, expected=None):
+        self.calls += 1
+        if self.calls == self.n:
+            raise self.exc()
+        return result(pid)
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, asyncio.CancelledError])
+def test_ctrl_c_keeps_the_problems_already_solved(tmp_path, exc):
+    problems = [Problem(f"p{i}", "x") for i in range(4)]
+    seen = []
+    report = asyncio.run(run_problems(StopsAt(3, exc), problems, TimeBudget(BudgetSpec(base_seconds=10), 4),
+                                      tmp_path / "traces.jsonl", progress=lambda m: None,
+                                      on_result=lambda r: seen.append(len(r.results))))
+    assert report.interrupted and [r.problem_id for r in report.results] == ["p0", "p1"] and seen == [1, 2]
+    assert len((tmp_path / "traces.jsonl").read_text().splitlines()) == 2
+    assert report.summary()["interrupted"] is True
+
+
+def test_results_are_written_after_every_problem_and_a_full_disk_keeps_the_last_good_file(tmp_path, monkeypatch):
+    from server.solve import ResultsWriter
+
+    logs = []
+    writer = ResultsWriter(tmp_path / "results.json", logs.append)
+    report = RunReport([result("p0")])
+    writer(report)
+    assert json.loads((tmp_path / "results.json").read_text())["results"][0]["id"] == "p0"
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(atomic.os, "fsync", full)
+    report.results.append(result("p1"))
+    writer(report)
+    assert writer.error and "could not write" in writer.error and "results.json" in writer.error
+    assert [r["id"] for r in json.loads((tmp_path / "results.json").read_text())["results"]] == ["p0"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json"]  # no temporary file left
+    assert "p0=1, p1=1" in logs[-1]
+
+
+def test_write_atomic_replaces_whole_files(tmp_path):
+    path = tmp_path / "x.json"
+    atomic.write_atomic(path, "old")
+    atomic.write_atomic(path, b"new")
+    assert path.read_text() == "new"
+    with pytest.raises(OSError, match="could not write .*missing"):
+        atomic.write_atomic(tmp_path / "missing" / "y", "z")
+
+
+def test_the_log_says_when_every_sample_failed():
+    class Fails:
+        async def solve(self, pid, text, deadline, expected=None):
+            return result(pid, "prompt of 3000 tokens: must be 1..2048 (max_input_len)")
+    logs = []
+    asyncio.run(run_problems(Fails(), [Problem("long", "x")], TimeBudget(BudgetSpec(base_seconds=10), 1),
+                             progress=logs.append))
+    assert "every sample failed: prompt of 3000 tokens: must be 1..2048 (max_input_len)" in logs[-1]
