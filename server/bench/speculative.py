@@ -99,13 +99,13 @@ def measure(engine_dir: Path, batches: list[int], tokens: int, repeats: int, ser
                         for b in batches:
                             st = engine.stats
                             s0 = (st.spec_rows, st.accepted_draft_tokens)
-                            c0 = (st.forward_seconds, st.draft_seconds, st.sample_seconds, st.busy_seconds, st.steps)
+                            c0 = (st.forward_seconds, st.sample_seconds, st.busy_seconds, st.steps)
                             tps, n_tok = tir_throughput(engine, sandbox, sv, prompts[:b], 1000 * r)
                             runs.setdefault((mode, b, speculative), []).append(tps)
                             n_tok = max(1, n_tok)
                             split = [(getattr(st, k) - v) * 1e3 / n_tok for k, v in
-                                     zip(("forward_seconds", "draft_seconds", "sample_seconds", "busy_seconds"), c0)]
-                            costs.setdefault((mode, b, speculative), []).append(split + [(st.steps - c0[4]) / n_tok])
+                                     zip(("forward_seconds", "sample_seconds", "busy_seconds"), c0)]
+                            costs.setdefault((mode, b, speculative), []).append(split + [(st.steps - c0[3]) / n_tok])
                             if speculative:
                                 rows = st.spec_rows - s0[0]
                                 acc = st.accepted_draft_tokens - s0[1]
@@ -126,7 +126,7 @@ def measure(engine_dir: Path, batches: list[int], tokens: int, repeats: int, ser
             for flag, name in ((True, "with"), (False, "without")):  # where the time per token goes (medians)
                 cols = list(zip(*costs[(mode, b, flag)]))
                 row[f"{name}_ms_per_token"] = {k: round(statistics.median(c), 3) for k, c in
-                                               zip(("forward", "draft", "sample", "engine_busy", "steps_per_token"), cols)}
+                                               zip(("forward", "sample", "engine_busy", "steps_per_token"), cols)}
             out.append(row)
     return out
 

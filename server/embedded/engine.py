@@ -131,7 +131,6 @@ class EngineStats:
     spec_rows: int = 0  # sequences in those steps, summed
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
-    draft_seconds: float = 0.0  # the drafter's share of forward_seconds
 
     @property
     def tokens_per_spec_step(self) -> float:
@@ -146,7 +145,7 @@ class EngineStats:
                 "accepted_draft_tokens": self.accepted_draft_tokens,
                 "acceptance": round(self.accepted_draft_tokens / self.draft_tokens, 4),
                 "tokens_per_step": round(self.tokens_per_spec_step, 4),
-                "draft_seconds": round(self.draft_seconds, 3), "forward_seconds": round(self.forward_seconds, 3)}
+                "forward_seconds": round(self.forward_seconds, 3)}
 
     @property
     def bookkeeping_seconds(self) -> float:
@@ -533,10 +532,12 @@ class EmbeddedEngine(EngineBase):
         n, L = len(seqs), spec.draft_len
         t0 = time.perf_counter()
         first = torch.tensor([s.pending for s in seqs], dtype=torch.long, device=dev)
-        drafts = self._draft(torch.stack([s.hidden for s in seqs]), first)
-        t1 = time.perf_counter()
-        rows = torch.cat([first.view(n, 1), drafts], 1)
-        logits, hidden = self.runner.verify(rows, [s.kv_len for s in seqs], hidden=True)
+        context, starts = torch.stack([s.hidden for s in seqs]), [s.kv_len for s in seqs]
+        if spec.num_beams == 1:  # drafting and verification in one step (on CUDA one graph replay)
+            drafts, logits, hidden = self.runner.draft_verify(self._draft, context, first, starts, L)
+        else:  # beam search picks beams on the host: not capturable
+            drafts = self._draft(context, first)
+            logits, hidden = self.runner.verify(torch.cat([first.view(n, 1), drafts], 1), starts, hidden=True)
         t2 = time.perf_counter()
         params = [s.params for s in seqs]
         want = max((p.top_logprobs for p in params), default=0)
@@ -551,7 +552,6 @@ class EmbeddedEngine(EngineBase):
             verdicts = [(r[L], r[L + 1]) for r in packed]
         if tops is not None:
             tops = (tops[0].tolist(), tops[1].tolist())
-        self.stats.draft_seconds += t1 - t0
         self.stats.forward_seconds += t2 - t0
         self.stats.sample_seconds += time.perf_counter() - t2
         self.stats.steps += 1

@@ -203,7 +203,7 @@ class GraphRunner:
             cos, sin = self.inner.rotary_emb(probe, pos)  # the model's own RoPE (its scaling included)
         self.cos, self.sin = cos[0].to(self.dtype), sin[0].to(self.dtype)  # [max_seq_len, d]
         self.buckets = batch_buckets(num_slots)
-        self._graphs: dict[tuple[int, int, int], tuple[Any, dict[str, torch.Tensor]]] = {}
+        self._graphs: dict[tuple[int, int, int, bool], tuple[Any, dict[str, torch.Tensor]]] = {}
         self._pool: Any = None
 
     # ---- cache management (same contract as SlotRunner)
@@ -307,25 +307,71 @@ class GraphRunner:
         logits = logits.view(b, t, -1)[:n]
         return (logits, normed.view(b, t, -1)[:n]) if hidden else logits
 
-    def _graph(self, b: int, ctx: int, t: int) -> tuple[Any, dict[str, torch.Tensor]]:
-        """The captured step for (batch bucket, context bucket, tokens per row), captured on first use."""
-        key = (b, ctx, t)
+    @torch.inference_mode()
+    def draft_verify(self, draft: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], context: torch.Tensor,
+                     first: torch.Tensor, starts: list[int], draft_len: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Draft `draft_len` tokens per row (`draft(context [n, H], first [n]) -> [n, L]`) and verify
+        [first, drafts] in the same step; on CUDA the drafter's kernels are captured in the verify
+        graph, so a speculative step is one replay. Returns drafts [n, L], logits [n, T, V], hidden
+        [n, T, H]."""
+        n, t = context.shape[0], draft_len + 1
+        if not self.graphs:
+            drafts = draft(context, first)
+            logits, hidden = self.verify(torch.cat([first.view(n, 1), drafts], 1), starts, hidden=True)
+            return drafts, logits, hidden
+        longest = max(starts) + t
+        self.ensure_capacity(longest)
+        b = bucket(n, self.buckets)
+        ctx = context_bucket(longest, self.max_seq_len)
+        pad = b - n
+        pos = torch.tensor(list(starts) + [0] * pad, dtype=torch.long).view(b, 1) + torch.arange(t)
+        rows = torch.tensor(list(range(n)) + [self.scratch] * pad, dtype=torch.long).view(b, 1).expand(b, t)
+        graph, io = self._graph(b, ctx, t, draft)
+        io["context"][:n].copy_(context)
+        io["first"][:n].copy_(first)
+        if pad:
+            io["first"][n:].zero_()
+        io["pos"].copy_(pos, non_blocking=True)
+        io["rows"].copy_(rows, non_blocking=True)
+        graph.replay()
+        return io["drafts"][:n], io["logits"].view(b, t, -1)[:n], io["hidden"].view(b, t, -1)[:n]
+
+    def _graph(self, b: int, ctx: int, t: int, draft: Optional[Callable[..., torch.Tensor]] = None
+               ) -> tuple[Any, dict[str, torch.Tensor]]:
+        """The captured step for (batch bucket, context bucket, tokens per row), captured on first use;
+        with `draft`, the drafting of the row's tokens after its first one is part of the graph."""
+        key = (b, ctx, t, draft is not None)
         if key in self._graphs:
             return self._graphs[key]
         dev = self.device
         io = {"ids": torch.zeros((b, t), dtype=torch.long, device=dev),
               "pos": torch.zeros((b, t), dtype=torch.long, device=dev),
               "rows": torch.full((b, t), self.scratch, dtype=torch.long, device=dev)}
+        if draft is not None:
+            io["context"] = torch.zeros((b, self.inner.config.hidden_size), dtype=self.dtype, device=dev)
+            io["first"] = torch.zeros(b, dtype=torch.long, device=dev)
+
+        def body() -> tuple[torch.Tensor, ...]:
+            if draft is None:
+                return self._rows_step(io["ids"], io["pos"], io["rows"], ctx)
+            drafts = draft(io["context"], io["first"])
+            ids = torch.cat([io["first"].view(b, 1), drafts], 1)
+            return (*self._rows_step(ids, io["pos"], io["rows"], ctx), drafts)
+
         stream = torch.cuda.Stream(device=dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm-up: lazy inits and (with compile) the compiled kernels happen here
-                self._rows_step(io["ids"], io["pos"], io["rows"], ctx)
+                body()
         torch.cuda.current_stream(dev).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self._pool):
-            io["logits"], io["hidden"] = self._rows_step(io["ids"], io["pos"], io["rows"], ctx)
+            out = body()
+        io["logits"], io["hidden"] = out[0], out[1]
+        if draft is not None:
+            io["drafts"] = out[2]
         self._graphs[key] = (graph, io)
         return graph, io

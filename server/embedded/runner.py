@@ -151,6 +151,14 @@ class SlotRunner:
         return (out[0][:, 0], out[1][:, 0]) if hidden else out[:, 0]
 
     @torch.inference_mode()
+    def draft_verify(self, draft: Any, context: torch.Tensor, first: torch.Tensor, starts: list[int],
+                     draft_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Draft after each row's first token, then verify [first, drafts]: drafts, logits, hidden."""
+        drafts = draft(context, first)
+        logits, hidden = self.verify(torch.cat([first.view(-1, 1), drafts], 1), starts, hidden=True)
+        return drafts, logits, hidden
+
+    @torch.inference_mode()
     def verify(self, token_rows: Any, starts: list[int], hidden: bool = False) -> Any:
         """T tokens for each slot 0..n-1 at positions [start, start+T), causal within the row; logits
         [n, T, V] (and hidden [n, T, H]). Speculative decoding checks a row's drafts with it; KV written
