@@ -185,7 +185,8 @@ def test_drafter_stage_in_make_engine(tiny_models, tmp_path, capfd):
     greedy = SamplingParams(temperature=0.0, max_tokens=16)
     finals = {}
     for mode in ("on", "off"):
-        eng = EmbeddedEngine.from_dir(built, speculative=mode, device="cpu")
+        # drafting is off by default on CPUs (measured slower there): max_batch turns it on
+        eng = EmbeddedEngine.from_dir(built, speculative=mode, speculative_max_batch=4, device="cpu")
         try:
             assert (eng.spec is not None) == (mode == "on")
             finals[mode] = asyncio.run(collect(eng, Request(eng.chat_prompt("What is 2 + 3?"), greedy)))[1]
