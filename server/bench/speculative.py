@@ -4,11 +4,13 @@
         [--device auto] [--out bench/speculative.json]
 
 The same engine folder is served twice per repeat, with its ReDrafter head (drafting at every batch
-size, whatever the device's switch-off default) and without it; both get the same work: B samples
-of the shipped problems at a time through the real TIR client (code blocks run in the sandbox,
-output blocks fed back, as `make solve` runs them), under the recipe's sampling and greedily. The
-rate is the samples' generated tokens over the wall time. Greedy samples are token for token the
-same with and without the drafter (exactness), so that comparison is of identical work. Each row
+size, whatever the device's switch-off default) and without it; both get the same work, B of the
+shipped problems at a time, under the recipe's sampling and greedily: `--workload plain` (default)
+generates from the chat prompts without tools, which measures the engine; `--workload tir` runs the
+real TIR client (code in the sandbox, output blocks fed back, as `make solve` does), which measures
+the whole harness, session starts and tool time included. The rate is generated tokens over wall
+time. Greedy runs are token for token the same with and without the drafter (exactness), so that
+comparison is of identical work. Each row
 gives the median tokens/s of both, their ratio, where the time per token goes, and the tokens per
 sequence per step in serving next to the drafter stage's offline figure (`drafter/acceptance.json`). The largest batch
 at which drafting still wins is printed against the engine's default switch-off batch for the
@@ -38,6 +40,34 @@ def problem_prompts(engine: Any, problems_file: str, n: int) -> list[list[int]]:
     problems = read_problems(problems_file)
     texts = [problems[i % len(problems)].text for i in range(n)]
     return [engine.tokenize(engine.chat_prompt(t)) for t in texts]
+
+
+def plain_throughput(engine: Any, sandbox: Any, serving: Any, prompts: list[list[int]], seed0: int
+                     ) -> tuple[float, int]:
+    """B plain requests at once (no tools): the engine's own speed, (tokens per second, tokens)."""
+    from server.protocol import Final, Request, SamplingParams
+
+    s = serving.sampling
+    params = [SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens,
+                             seed=seed0 + i) for i in range(len(prompts))]
+
+    async def one(p: list[int], sp: Any) -> Final:
+        async for ev in engine.generate(Request(p, sp)):
+            if isinstance(ev, Final):
+                return ev
+        raise RuntimeError("no final message")
+
+    async def go() -> list[Final]:
+        return await asyncio.gather(*(one(p, sp) for p, sp in zip(prompts, params)))
+
+    t0 = time.perf_counter()
+    finals = asyncio.run(go())
+    wall = time.perf_counter() - t0
+    bad = [f for f in finals if f.finish_reason not in ("stop", "length")]
+    if bad:
+        raise RuntimeError(f"benchmark request ended with {bad[0].finish_reason}: {bad[0].error}")
+    tokens = sum(len(f.token_ids) for f in finals)
+    return tokens / wall, tokens
 
 
 def tir_throughput(engine: Any, sandbox: Any, serving: Any, prompts: list[list[int]], seed0: int
@@ -72,7 +102,8 @@ def open_engine(engine_dir: Path, speculative: bool, device: Optional[str], thre
 
 
 def measure(engine_dir: Path, batches: list[int], tokens: int, repeats: int, serving: Any,
-            problems: str, device: Optional[str], threads: Optional[int] = None) -> list[dict[str, Any]]:
+            problems: str, device: Optional[str], threads: Optional[int] = None, workload: str = "plain"
+            ) -> list[dict[str, Any]]:
     import dataclasses
 
     from server.assembly import sandbox_for
@@ -84,7 +115,8 @@ def measure(engine_dir: Path, batches: list[int], tokens: int, repeats: int, ser
     runs: dict[tuple[str, int, bool], list[float]] = {}
     spec_stats: dict[tuple[str, int], list[float]] = {}
     costs: dict[tuple[str, int, bool], list[list[float]]] = {}  # ms per generated token, steps per token
-    sandbox = sandbox_for(serving.tool)
+    run = tir_throughput if workload == "tir" else plain_throughput
+    sandbox = sandbox_for(serving.tool) if workload == "tir" else None
     try:
         for r in range(repeats):
             for speculative in (True, False):
@@ -94,13 +126,13 @@ def measure(engine_dir: Path, batches: list[int], tokens: int, repeats: int, ser
                     # warm-up at every batch size and length: CUDA graphs are captured per (batch,
                     # context, tokens per row) bucket on first use, which must not land in a timed run
                     for b in batches:
-                        tir_throughput(engine, sandbox, modes["greedy"], prompts[:b], 0)
+                        run(engine, sandbox, modes["greedy"], prompts[:b], 0)
                     for mode, sv in modes.items():
                         for b in batches:
                             st = engine.stats
                             s0 = (st.spec_rows, st.accepted_draft_tokens)
                             c0 = (st.forward_seconds, st.sample_seconds, st.busy_seconds, st.steps)
-                            tps, n_tok = tir_throughput(engine, sandbox, sv, prompts[:b], 1000 * r)
+                            tps, n_tok = run(engine, sandbox, sv, prompts[:b], 1000 * r)
                             runs.setdefault((mode, b, speculative), []).append(tps)
                             n_tok = max(1, n_tok)
                             split = [(getattr(st, k) - v) * 1e3 / n_tok for k, v in
@@ -115,7 +147,8 @@ def measure(engine_dir: Path, batches: list[int], tokens: int, repeats: int, ser
                 finally:
                     engine.shutdown()
     finally:
-        sandbox.close()
+        if sandbox is not None:
+            sandbox.close()
     out = []
     for mode in modes:
         for b in batches:
@@ -141,6 +174,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--device", default=None, help="auto | cpu | cuda[:N] (default: the engine folder's)")
     ap.add_argument("--problems", default="engines/problems/smoke.csv")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads of the engine (default: every core)")
+    ap.add_argument("--workload", choices=("plain", "tir"), default="plain",
+                    help="plain: chat prompts generated without tools (the engine's speed); tir: the TIR client "
+                         "with the sandbox (end to end, tool time included)")
     ap.add_argument("--out", type=Path, default=Path("bench/speculative.json"))
     args = ap.parse_args(argv)
 
@@ -150,7 +186,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from server.embedded.speculative import DEFAULT_MAX_BATCH
     from trtbuild.core.recipe import load_recipe
 
-    recipe = load_recipe(args.recipe)
+    recipe = load_recipe(args.recipe, check_paths=False)  # serving needs the built engine, not the sources
     engine_dir = args.engine or recipe.layout.engine("embedded")
     spec = json.loads((engine_dir / "engine.json").read_text())
     if not spec.get("drafter_dir"):
@@ -159,7 +195,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     batches = [int(b) for b in args.batches.split(",")]
     dev = resolve_device(args.device or (spec.get("serving") or {}).get("device", "auto"))
-    rows = measure(engine_dir, batches, args.tokens, args.repeats, recipe.serving, args.problems, str(dev), args.threads)
+    rows = measure(engine_dir, batches, args.tokens, args.repeats, recipe.serving, args.problems, str(dev), args.threads,
+                   args.workload)
     offline_file = recipe.layout.drafter / "acceptance.json"
     offline = json.loads(offline_file.read_text()) if offline_file.is_file() else None
     offline_tps = offline.get("tokens_per_step") if offline else None
@@ -167,7 +204,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     report = {
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else
         f"cpu ({args.threads or torch.get_num_threads()} threads)",
-        "engine": str(engine_dir), "tokens": args.tokens, "repeats": args.repeats,
+        "engine": str(engine_dir), "workload": args.workload, "tokens": args.tokens, "repeats": args.repeats,
         "draft_len": (spec.get("drafter") or {}).get("draft_len_per_beam"),
         "offline_tokens_per_step": offline_tps, "rows": rows,
         "largest_winning_batch": max(wins) if wins else 0,
@@ -177,7 +214,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"speculative decoding on {report['device']} ({args.tokens} tokens, median of {args.repeats}; "
+    print(f"speculative decoding on {report['device']} ({args.workload} workload, {args.tokens} tokens, median of {args.repeats}; "
           f"offline tokens/step {offline_tps})")
     print(f"{'mode':>15} {'batch':>5} {'with':>9} {'without':>9} {'speedup':>8} {'tok/step':>9} {'vs offline':>10}")
     for r in rows:

@@ -147,8 +147,26 @@ class SlotRunner:
     @torch.inference_mode()
     def decode(self, token_ids: list[int], positions: list[int], hidden: bool = False) -> Any:
         """One token for each slot 0..n-1 at its position; logits [n, V] (and hidden [n, H])."""
-        out = self.verify([[t] for t in token_ids], positions, hidden)
-        return (out[0][:, 0], out[1][:, 0]) if hidden else out[:, 0]
+        n = len(token_ids)
+        longest = max(positions) + 1
+        self.ensure_capacity(longest)
+        dev = self.device
+        ids = torch.tensor(token_ids, dtype=torch.long, device=dev).view(n, 1)
+        pos = torch.tensor(positions, dtype=torch.long, device=dev).view(n, 1)
+        rows = torch.arange(n, device=dev)
+        h = self.inner.embed_tokens(ids)
+        cos, sin = self.inner.rotary_emb(h, pos)
+        mask = (torch.arange(longest, device=dev).unsqueeze(0) <= pos).view(n, 1, 1, longest)
+
+        def write(cache: torch.Tensor, new: torch.Tensor) -> None:
+            cache[rows, :, pos[:, 0]] = new[:, :, 0]
+
+        def read(cache: torch.Tensor) -> torch.Tensor:
+            return cache[:n, :, :longest]
+
+        for i, layer in enumerate(self.layers):
+            h = self._attention_layer(i, layer, h, cos, sin, write, read, mask)
+        return self._head(h[:, -1], hidden)
 
     @torch.inference_mode()
     def draft_verify(self, draft: Any, context: torch.Tensor, first: torch.Tensor, starts: list[int],

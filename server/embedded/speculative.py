@@ -33,11 +33,11 @@ from server.embedded.sampler import _keep_sorted, gumbel_noise, row_distribution
 from server.protocol import SamplingParams
 
 # Largest running batch that still drafts, per device type, when the recipe leaves it at 0; above it
-# the engine decodes one token per step (measured by `make bench`, server/bench/speculative.py, on
-# the mix through the TIR client, 2026-12-03). On the 2-core AVX2 CPU drafting lost at every batch
-# size (a verify step of 4 tokens costs ~1.5 decode steps, drafting ~0.3, and serving kept ~2.0-2.3
-# tokens per step), so the CPU default is off; the H200 won up to batch 8.
-DEFAULT_MAX_BATCH = {"cpu": 0, "cuda": 8}
+# the engine decodes one token per step. Measured by `make bench` (server/bench/speculative.py) on the
+# mix, 2026-12-03 (bench/speculative-*.json): on the 2-core AVX2 CPU drafting gave 1.17-1.20x at
+# batch 1, 1.03-1.05x at 4 and 1.00-1.02x at 8 (a 4-token verify costs ~1.5 decode steps there);
+# on the H200 1.30-1.73x at every batch measured, 1 to 16.
+DEFAULT_MAX_BATCH = {"cpu": 4, "cuda": 16}
 
 
 @dataclass(frozen=True)
