@@ -56,7 +56,7 @@ help:
 	@echo "make gpu-smoke             GPU host: build tiny bf16/FP8 engines with TensorRT-LLM and check them"
 	@echo "make trtllm-venv           GPU host: $(TRTLLM_VENV) with the pinned TensorRT-LLM (TRTLLM_INDEX_URL=...)"
 	@echo "make test                  the test suite (what CI runs)"
-	@echo "make bench MODEL=mix       every benchmark (sandbox, engine in-flight/sequential/library, harness, Triton, OpenAI serving, formats) -> bench/summary.md"
+	@echo "make bench MODEL=mix       every benchmark (sandbox, engine in-flight/sequential/library, harness, Triton, OpenAI serving, formats, speculative decoding) -> bench/summary.md"
 	@echo "make clean MODEL=mix       remove $(OUT)/"
 
 $(SETUP): requirements/embedded.txt requirements/constraints.txt pyproject.toml
@@ -226,6 +226,7 @@ bench: build $(TRITON_SETUP)
 	$(PY) -m server.bench.serving --recipe $(RECIPE) --out bench/serving.json
 	PYTHONPATH=$(CURDIR) $(TRITON_PY) -m server.bench.triton --engine $(OUT)/build/embedded --out bench/triton.json
 	$(PY) -m server.bench.formats --recipe $(RECIPE) --out bench/formats.json
+	$(PY) -m server.bench.speculative --recipe $(RECIPE) --out bench/speculative.json
 	$(PY) -m server.bench.openai --engine $(OUT)/build/embedded --out bench/openai.json
 	@$(PY) -m server.bench.report --dir bench
 

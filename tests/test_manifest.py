@@ -98,7 +98,7 @@ def test_two_concurrent_runs_on_one_folder_do_the_work_once(tmp_path):
         time.sleep(0.1)
     for t in runs:
         t.join(10)
-    assert len(calls) == 1 and len(waited) == 1 and f"pid " in waited[0] and "waiting" in waited[0]
+    assert len(calls) == 1 and len(waited) == 1 and "pid " in waited[0] and "waiting" in waited[0]
     assert (tmp_path / "out" / ".lock").read_text() == ""  # released
 
 

@@ -47,6 +47,11 @@ def rows(d: Path) -> list[tuple[str, str, str, str]]:
             out.append(("openai", f"{r['concurrent']} concurrent, through make serve", f"{r['http_tok_s']:.1f} tok/s",
                         f"{r['throughput_ratio']:.2f}x direct; {r['latency_ratio']:.2f}x per-token latency; TTFT "
                         f"{r['http_ttft_ms']:.0f} vs {r['direct_ttft_ms']:.0f} ms"))
+    if (s := load("speculative.json")):
+        for r in s["rows"]:
+            out.append(("speculative", f"{s['device']}, {r['mode']}, batch {r['batch']}",
+                        f"{r['with_drafter_tok_s']:.1f} tok/s", f"{r['speedup']:.2f}x without the drafter; "
+                        f"{r['tokens_per_step']:.2f} tokens/step (offline {s['offline_tokens_per_step']})"))
     if (s := load("formats.json")):
         for r in s["rows"]:
             out.append(("formats", f"{r['format']}, {s['concurrent']} concurrent", f"{r['tok_s']:.1f} tok/s",
