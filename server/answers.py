@@ -20,8 +20,9 @@ _GROUPED = re.compile(r"^[+-]?\d{1,3}(?:(?:,|\{,\}|\\,|\\ | )\d{3})+(?:\.0*)?$")
 _WRAPPERS = re.compile(r"\\(?:text|mathrm|textbf)\{([^{}]*)\}")
 
 
-def last_boxed(text: str) -> Optional[str]:
-    """Content of the last complete \\boxed{...} (braces balanced), or None."""
+def _last_complete_box(text: str) -> Optional[tuple[int, int, int]]:
+    """(start of `\\boxed{`, start of its content, end after its closing brace) of the last
+    \\boxed{...} whose braces balance, or None."""
     found = None
     for m in _BOXED.finditer(text):
         depth, i = 1, m.end()
@@ -29,21 +30,20 @@ def last_boxed(text: str) -> Optional[str]:
             depth += {"{": 1, "}": -1}.get(text[i], 0)
             i += 1
         if depth == 0:
-            found = text[m.end():i - 1]
+            found = (m.start(), m.end(), i)
     return found
+
+
+def last_boxed(text: str) -> Optional[str]:
+    """Content of the last complete \\boxed{...} (braces balanced), or None."""
+    box = _last_complete_box(text)
+    return None if box is None else text[box[1]:box[2] - 1]
 
 
 def boxed_span(text: str) -> Optional[tuple[int, int]]:
     """(start, end) character offsets of the last complete \\boxed{...} in `text`, or None."""
-    span = None
-    for m in _BOXED.finditer(text):
-        depth, i = 1, m.end()
-        while i < len(text) and depth:
-            depth += {"{": 1, "}": -1}.get(text[i], 0)
-            i += 1
-        if depth == 0:
-            span = (m.start(), i)
-    return span
+    box = _last_complete_box(text)
+    return None if box is None else (box[0], box[2])
 
 
 def plain_integer(answer: str) -> Optional[int]:

@@ -35,7 +35,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from server.embedded.runner import SlotRunner
+from server.embedded.runner import SlotRunner, draft_then_verify
 from server.embedded.sampler import make_generator, sample, sample_device
 from server.embedded.speculative import DEFAULT_MAX_BATCH, SpecConfig, accept_device, accept_host, top_logprobs
 from server.protocol import Request, SamplingParams
@@ -536,8 +536,7 @@ class EmbeddedEngine(EngineBase):
         if spec.num_beams == 1:  # drafting and verification in one step (on CUDA one graph replay)
             drafts, logits, hidden = self.runner.draft_verify(self._draft, context, first, starts, L)
         else:  # beam search picks beams on the host: not capturable
-            drafts = self._draft(context, first)
-            logits, hidden = self.runner.verify(torch.cat([first.view(n, 1), drafts], 1), starts, hidden=True)
+            drafts, logits, hidden = draft_then_verify(self.runner, self._draft, context, first, starts)
         t2 = time.perf_counter()
         params = [s.params for s in seqs]
         want = max((p.top_logprobs for p in params), default=0)

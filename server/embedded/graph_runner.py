@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from server.embedded.qlinear import Int8WeightOnlyLinear
-from server.embedded.runner import SUPPORTED, copy_prefix, swap_prefix
+from server.embedded.runner import SUPPORTED, copy_prefix, draft_then_verify, swap_prefix
 
 MIN_CONTEXT_BUCKET = 256
 
@@ -317,9 +317,7 @@ class GraphRunner:
         [n, T, H]."""
         n, t = context.shape[0], draft_len + 1
         if not self.graphs:
-            drafts = draft(context, first)
-            logits, hidden = self.verify(torch.cat([first.view(n, 1), drafts], 1), starts, hidden=True)
-            return drafts, logits, hidden
+            return draft_then_verify(self, draft, context, first, starts)
         longest = max(starts) + t
         self.ensure_capacity(longest)
         b = bucket(n, self.buckets)

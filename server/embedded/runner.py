@@ -46,6 +46,15 @@ def swap_prefix(caches: tuple[torch.Tensor, ...], a: int, b: int, length: int) -
         t[b, :, :length] = tmp
 
 
+def draft_then_verify(runner: Any, draft: Any, context: torch.Tensor, first: torch.Tensor, starts: list[int]
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A speculative step run eagerly on any runner: drafts [n, L], then logits and hidden states of
+    [first, drafts] from one `verify`."""
+    drafts = draft(context, first)
+    logits, hidden = runner.verify(torch.cat([first.view(-1, 1), drafts], 1), starts, hidden=True)
+    return drafts, logits, hidden
+
+
 class SlotRunner:
     def __init__(self, model: Any, num_slots: int, max_seq_len: int, initial_capacity: int = 256):
         cfg = model.config
@@ -172,9 +181,7 @@ class SlotRunner:
     def draft_verify(self, draft: Any, context: torch.Tensor, first: torch.Tensor, starts: list[int],
                      draft_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Draft after each row's first token, then verify [first, drafts]: drafts, logits, hidden."""
-        drafts = draft(context, first)
-        logits, hidden = self.verify(torch.cat([first.view(-1, 1), drafts], 1), starts, hidden=True)
-        return drafts, logits, hidden
+        return draft_then_verify(self, draft, context, first, starts)
 
     @torch.inference_mode()
     def verify(self, token_rows: Any, starts: list[int], hidden: bool = False) -> Any:
