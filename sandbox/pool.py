@@ -107,7 +107,8 @@ SLOTS = Slots(isolation.MAX_SLOTS, _lock_dir())
 def _lost(e: WorkerDied, seconds: float, queue_seconds: float, total: float) -> CellResult:
     status = "timeout" if e.hung else "killed"
     return CellResult(status, Stream.empty(), Stream.empty(), None, None, seconds, queue_seconds, total,
-                      reason="" if e.hung else "the sandbox worker running it failed and was replaced")
+                      reason="" if e.hung else "the sandbox worker running it failed and was replaced",
+                      fault="" if e.hung else "worker lost")
 
 
 def _result(worker: Worker, reply: dict, queue_seconds: float, total: float) -> CellResult:
@@ -160,7 +161,7 @@ class SandboxPool:
         t1 = time.monotonic()
         if isinstance(worker, str):
             return CellResult("killed", Stream.empty(), Stream.empty(), None, None, 0.0, t1 - t0, t1 - t0,
-                              reason=f"no sandbox worker could be started: {worker}")
+                              reason=f"no sandbox worker could be started: {worker}", fault="no worker")
         keep = False
         try:
             reply = worker.request({"op": "run", "code": code, "timeout": timeout}, timeout)
@@ -312,11 +313,12 @@ class Session:
                        "re-run); this cell did not run, try it again]" if waited is None else
                        "[this cell's time limit was used up waiting for the python session to be restored]")
                 return CellResult("timeout", Stream.empty(), Stream.empty(), None, None, 0.0, t1 - t0, t1 - t0,
-                                  note="\n".join(n for n in (note, msg) if n))
+                                  note="\n".join(n for n in (note, msg) if n), fault="session restoring")
             worker = self._worker or self._start_worker()
             if isinstance(worker, str):
                 return CellResult("killed", Stream.empty(), Stream.empty(), None, None, 0.0, t1 - t0, t1 - t0,
-                                  reason=f"the python session could not be restarted: {worker}")
+                                  reason=f"the python session could not be restarted: {worker}",
+                                  fault="session lost")
             left = deadline - t1
             try:
                 reply = worker.request({"op": "run", "code": code, "timeout": left}, left)

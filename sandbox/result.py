@@ -66,6 +66,10 @@ class CellResult:
     restarted: bool = False  # a stateful session had to be recreated (see `note`)
     note: str = ""
     reason: str = ""  # why a killed cell was killed, when known (memory limit, CPU limit, crash)
+    # the sandbox's own failure, not the code's: the cell was lost with its worker, or never ran (no
+    # worker could start, a session still restoring); "" when the sandbox did its part. Harnesses
+    # count these apart from the model's errors: a problem that lost its tools deserves a retry.
+    fault: str = ""
 
     @property
     def ok(self) -> bool:

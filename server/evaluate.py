@@ -82,15 +82,22 @@ def with_tool_setting(serving: Any, setting: tuple[bool, int, float]) -> Any:
 async def _run_variant(engine: Any, sandbox: Any, serving: Any, problems: list, k: int, seconds: float,
                        log: Any) -> list[dict[str, Any]]:
     from server.assembly import build_solver
+    from server.problems import tools_note
 
     solver = build_solver(serving, engine, sandbox, k, all_samples=True, logprobs=True)
     out = []
     for i, p in enumerate(problems, start=1):
         t0 = time.monotonic()
         r = await solver.solve(p.id, p.text, time.monotonic() + seconds, p.answer)
+        # samples whose code calls the sandbox lost measure the sandbox, not the model: a problem that
+        # lost its tools was retried (server.solver); its first k sound samples are the ones scored
+        ordered = sorted(r.traces, key=lambda t: t.sample)
+        sound = [t for t in ordered if not t.tool_faults] + [t for t in ordered if t.tool_faults]
         out.append({"id": p.id, "truth": p.answer, "seconds": round(r.seconds, 2),
-                    "samples": [sample_record(t, t0) for t in sorted(r.traces, key=lambda t: t.sample)]})
-        log(f"  [{i}/{len(problems)}] {p.id}: answers {[s['answer'] for s in out[-1]['samples']]} (truth {p.answer})")
+                    "samples": [sample_record(t, t0) for t in sound[:k]],
+                    "tool_faults": r.tool_faults, "tools_lost": tools_note(r) if r.tool_failure else None})
+        log(f"  [{i}/{len(problems)}] {p.id}: answers {[s['answer'] for s in out[-1]['samples']]} (truth {p.answer})"
+            + (f"; LOST ITS TOOLS: {out[-1]['tools_lost']}" if r.tool_failure else ""))
     return out
 
 
@@ -120,6 +127,8 @@ def summarize(results: list[dict[str, Any]], k: int) -> dict[str, Any]:
                                         + ["output cut"] * sum(s.get("output_cut", 0) for s in samples), calls),
         "no_answer_rate": round(sum(s["answer"] is None for s in samples) / max(1, len(samples)), 4),
         "seconds_per_problem": round(mean([r["seconds"] for r in results]), 2),
+        "tool_faults": sum(r.get("tool_faults", 0) for r in results),
+        "tools_lost": {r["id"]: r["tools_lost"] for r in results if r.get("tools_lost")},
     }
 
 
@@ -178,6 +187,11 @@ def markdown(report: dict[str, Any], files: list[str]) -> str:
                        ("no_answer_rate", "no-answer rate"), ("seconds_per_problem", "seconds / problem (k samples)")):
         lines.append(f"| {label} | " + " | ".join(f"{s[n].get(key, '')}" for n in names) + " |")
     lines += ["", *tool_error_lines(s, names)]
+    lost = [(n, pid, why) for n in names for pid, why in s[n].get("tools_lost", {}).items()]
+    if lost:
+        lines += ["", "Problems that lost their tools (code calls lost by the sandbox itself, not the code's errors; "
+                  "samples with a lost call are scored only when too few others remain):", ""]
+        lines += [f"- {n}: {pid}: {why}" for n, pid, why in lost]
     lines += ["", f"Generated {report['date']} on {report['machine']}; maj@k and pass@k are exact over all k-subsets "
               "(ties go to the answer of the lowest-numbered sample, as the solver's vote).", ""]
     lines += [f"![{f}]({f})" for f in files]

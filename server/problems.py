@@ -77,6 +77,13 @@ def failure(result: SolveResult) -> Optional[str]:
     return None
 
 
+def tools_note(result: SolveResult) -> str:
+    """What happened to a problem that lost its tools (see server.solver): why, and the retry."""
+    retry = (f"retried ({result.attempts - 1} more tr{'y' if result.attempts == 2 else 'ies'})" if result.attempts > 1
+             else "not retried")
+    return f"{result.tool_failure}; {retry}"
+
+
 @dataclass
 class RunReport:
     results: list[SolveResult] = field(default_factory=list)
@@ -118,6 +125,8 @@ class RunReport:
             "lanes_seconds": lanes,
             "interrupted": self.interrupted,
             "failed": {r.problem_id: failure(r) for r in self.results if failure(r)},
+            "tools_lost": {r.problem_id: tools_note(r) for r in self.results if r.tool_failure},
+            "tool_faults": sum(r.tool_faults for r in self.results),
         }
 
     def table(self) -> str:
@@ -133,6 +142,8 @@ class RunReport:
             why = failure(r)
             if why:
                 lines.append(f"{r.problem_id[:12]:<12} answer {r.answer} is the default: every sample failed: {why}")
+            if r.tool_failure:
+                lines.append(f"{r.problem_id[:12]:<12} lost its tools: {tools_note(r)}")
         s = self.summary()
         lanes = s["lanes_seconds"]
         acc = f"{s['correct']}/{s['scored']} correct" if s["scored"] else "no answers to score"
@@ -177,7 +188,8 @@ async def run_problems(solver: Solver, problems: list[Problem], budget: TimeBudg
             why = failure(result)
             progress(f"[solve {i}/{len(problems)}] {p.id}: answer {result.answer}{ok}; {result.seconds:.1f} s, "
                      f"{result.finished} finished, {result.cancelled} cancelled, {result.code_calls} code calls, "
-                     f"stop: {result.stop_rule}" + (f"; every sample failed: {why}" if why else ""))
+                     f"stop: {result.stop_rule}" + (f"; every sample failed: {why}" if why else "")
+                     + (f"; LOST ITS TOOLS: {tools_note(result)}" if result.tool_failure else ""))
             if out:
                 try:
                     for t in result.traces:

@@ -12,6 +12,13 @@ Rules (defaults are the AIMO-2 winners'):
   more), `local_entropy` by 1 / the mean entropy of the tokens that end at its boxed answer (the
   AIMO-3 runner-up's weighting: how sure the sample was when it wrote the answer). Ties go to the
   answer whose first vote came first. No answer at all: `default_answer`.
+- a problem *lost its tools* when at least `TOOL_FAULT_SHARE` of its samples had a code call lost by
+  the sandbox itself (a worker killed from outside, a session that could not start: `ToolCall.fault`,
+  never the code's own errors). Such samples were fed a false tool result, so the problem is solved
+  again with fresh samples in the time it has left (`MIN_RETRY_SECONDS`), if the sandbox answers a
+  probe cell. The result keeps every try's samples (their tokens were spent), but a sample with a
+  lost code call never votes while any other sample does. The result says what
+  happened (`tool_failure`, `attempts`, `tool_faults`), so every surface logs and reports it;
 - entropy weights resist degenerate samples: a repetition loop is very confident (entropy ~1e-5),
   so no weight may exceed `weight_cap` x the median weight of the problem's samples; a sample
   without logprobs weighs that median (not 1.0 against confident samples' 20).
@@ -33,6 +40,10 @@ from trtbuild.core.recipe import SolverSpec
 
 FINISHED = ("stop", "length")  # the finish reasons of a sample that ended on its own
 CANCEL_GRACE = 30.0  # seconds a cancelled sample may take to report its end
+TOOL_FAULT_SHARE = 0.25  # this share of samples hit by sandbox faults: the problem lost its tools
+MIN_RETRY_SECONDS = 5.0  # a retry is worth it only with this much of the problem's time left
+MAX_TOOL_RETRIES = 1  # fresh tries of a problem that lost its tools (each needs a working sandbox)
+PROBE_SECONDS = 10.0  # the probe cell's time limit before a retry
 MIN_ENTROPY = 1e-3  # a sample with ~0 entropy gets weight 1000, not infinity
 
 
@@ -46,6 +57,8 @@ class SolveResult:
     traces: list[SampleTrace] = field(default_factory=list)
     expected: Optional[int] = None
     default_used: bool = False
+    attempts: int = 1  # tries of this problem (a retry follows a problem that lost its tools)
+    tool_failure: Optional[str] = None  # why the (first) try lost its tools; None when the tools held
 
     @property
     def correct(self) -> Optional[bool]:
@@ -66,6 +79,21 @@ class SolveResult:
     @property
     def tokens(self) -> int:
         return sum(t.tokens for t in self.traces)
+
+    @property
+    def tool_faults(self) -> int:
+        """Code calls the sandbox itself lost, over every try."""
+        return sum(len(t.tool_faults) for t in self.traces)
+
+
+def tool_failure(traces: Sequence[SampleTrace]) -> Optional[str]:
+    """Why these samples lost their tools (see the module doc), or None when the sandbox held up."""
+    hit = [t for t in traces if t.tool_faults]
+    if not hit or len(hit) < TOOL_FAULT_SHARE * len(traces):
+        return None
+    kinds = Counter(f for t in hit for f in t.tool_faults)
+    top = ", ".join(f"{k} x{n}" for k, n in kinds.most_common(3))
+    return f"{len(hit)} of {len(traces)} samples had code calls lost by the sandbox ({top})"
 
 
 def tally(answers: Sequence[Optional[int]], weights: Optional[Sequence[float]] = None
@@ -138,12 +166,51 @@ class Solver:
 
     async def solve(self, problem_id: str, problem: str, deadline: Optional[float] = None,
                     expected: Optional[int] = None) -> SolveResult:
-        cfg = self.config
         t0 = time.monotonic()
+        ended, rule = await self._attempt(problem_id, problem, deadline, 0)
+        attempts, lost = 1, tool_failure(ended)
+        why = lost
+        while why and attempts <= MAX_TOOL_RETRIES and self._time_left(deadline) >= MIN_RETRY_SECONDS:
+            broken = await self._probe_sandbox(deadline)
+            if broken:
+                lost = f"{lost}; no retry: {broken}"
+                break
+            again, rule = await self._attempt(problem_id, problem, deadline, attempts)
+            attempts += 1
+            ended += again
+            why = tool_failure(again)
+        winner, weights = vote([t for t in ended if not t.tool_faults] or ended, self.config.vote, self.config.weight_cap)
+        return SolveResult(problem_id, self.config.default_answer if winner is None else winner, weights, rule,
+                           time.monotonic() - t0, ended, expected, winner is None, attempts, lost)
+
+    @staticmethod
+    def _time_left(deadline: Optional[float]) -> float:
+        return float("inf") if deadline is None else deadline - time.monotonic()
+
+    async def _probe_sandbox(self, deadline: Optional[float]) -> Optional[str]:
+        """Why the sandbox cannot run a trivial cell now (None: it can). A stateless cell: a retry's
+        samples start fresh sessions, so this is what they will meet."""
+        sandbox = self.client.sandbox
+        timeout = max(1.0, min(PROBE_SECONDS, self._time_left(deadline)))
+        try:
+            r = await sandbox.arun("print(6 * 7)", timeout)
+        except Exception as e:  # noqa: BLE001 - a sandbox that raises is the answer
+            return f"the sandbox probe raised {type(e).__name__}: {e}"
+        if r.status != "ok" or r.stdout.text.strip() != "42":
+            return f"the sandbox probe cell ended {r.status} ({r.reason or r.fault or r.stderr.text[:200]})"
+        return None
+
+    async def _attempt(self, problem_id: str, problem: str, deadline: Optional[float],
+                       attempt: int) -> tuple[list[SampleTrace], str]:
+        """One try: the samples (in the order they ended) and the rule that stopped them. A retry
+        (`attempt` > 0) draws other seeds and numbers its samples after the earlier tries'."""
+        cfg = self.config
         prompt = self.engine.tokenize(self.engine.chat_prompt(problem, self.system_prompt))
-        base_seed = zlib.crc32(f"{problem_id}\n{problem}".encode()) % 100_000
+        key = problem_id if not attempt else f"{problem_id}#{attempt + 1}"
+        base_seed = zlib.crc32(f"{key}\n{problem}".encode()) % 100_000
+        first = attempt * cfg.samples
         cancel = asyncio.Event()
-        tasks = {asyncio.ensure_future(self.client.run(prompt, i, base_seed + i, deadline, cancel, cfg.modulus)): i
+        tasks = {asyncio.ensure_future(self.client.run(prompt, first + i, base_seed + i, deadline, cancel, cfg.modulus)): i
                  for i in range(cfg.samples)}
         ended: list[SampleTrace] = []
         finished_answers: list[Optional[int]] = []
@@ -174,8 +241,6 @@ class Solver:
             ended.extend(sorted((t.result() for t in done), key=lambda t: t.seconds))
             for task in stuck:  # the engine did not answer the cancel: drop the sample, keep going
                 task.cancel()
-                ended.append(SampleTrace(sample=tasks[task], seed=base_seed + tasks[task], finish="error",
+                ended.append(SampleTrace(sample=first + tasks[task], seed=base_seed + tasks[task], finish="error",
                                          error=f"no final message {CANCEL_GRACE:.0f}s after cancel"))
-        winner, weights = vote(ended, cfg.vote, cfg.weight_cap)
-        return SolveResult(problem_id, cfg.default_answer if winner is None else winner, weights, rule,
-                           time.monotonic() - t0, ended, expected, winner is None)
+        return ended, rule

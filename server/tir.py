@@ -41,6 +41,7 @@ class ToolCall:
     output: str  # what was fed back (capped)
     error: str = ""  # the kind of failure, for the tool-error table (server.toolerrors); "" when it ran fine
     cut: bool = False  # the output fed back is shorter than what the code printed
+    fault: str = ""  # the sandbox's own failure (the cell was lost or never ran), not the code's; "" when none
 
 
 @dataclass
@@ -68,6 +69,11 @@ class SampleTrace:
     # with TIRClient(record_tokens=True): the token history after the prompt, as (ids, generated)
     # segments: the model's own tokens and the appended output blocks (drafter training data)
     segments: list[tuple[list[int], bool]] = field(default_factory=list)
+
+    @property
+    def tool_faults(self) -> list[str]:
+        """The sandbox's own failures in this sample's code calls (see ToolCall.fault)."""
+        return [c.fault for c in self.code_calls if c.fault]
 
     @property
     def mean_entropy(self) -> Optional[float]:
@@ -266,11 +272,12 @@ class TIRClient:
             result = task.result()
         except Exception as e:  # the sandbox itself failed: tell the model, keep the harness up
             trace.code_calls.append(ToolCall(code, "error", time.monotonic() - t0, f"sandbox error: {e}",
-                                             f"sandbox: {type(e).__name__}"))
+                                             f"sandbox: {type(e).__name__}", fault=f"sandbox error: {type(e).__name__}: {e}"))
             return self.output_block(f"sandbox error: {type(e).__name__}")
         feedback = result.feedback(self.output_chars)
         cut = result.stdout.truncated or result.stderr.truncated or len(feedback) < len(result.feedback(1 << 30))
-        trace.code_calls.append(ToolCall(code, result.status, result.seconds, feedback, error_kind(result), cut))
+        trace.code_calls.append(ToolCall(code, result.status, result.seconds, feedback, error_kind(result), cut,
+                                         result.fault))
         return self.output_block(feedback)
 
 

@@ -218,3 +218,135 @@ def test_shipped_problems_file_parses_and_is_tracked():
     assert ignored.returncode == 1, f"{path} is git-ignored"
     answers = {p.id: p.answer for p in problems}
     assert answers["primes"] == 168 and answers["power_mod"] == pow(7, 222, 1000)
+
+
+# ---- a sandbox that fails under the solver: the problem is retried and the failure reported
+
+def sandbox_processes() -> list[int]:
+    """Pids of this test process's sandbox workers and everything under them (unshare, the worker,
+    its cells): what an OOM sweep or a crash of the sandbox would take down."""
+    import os
+
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                ppid = int(open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    out, stack = [], [os.getpid()]
+    while stack:
+        for kid in children.get(stack.pop(), []):
+            stack.append(kid)
+            try:
+                cmd = open(f"/proc/{kid}/cmdline", "rb").read()
+            except OSError:
+                continue
+            if b"sandbox" in cmd or b"_worker" in cmd or out and kid in out:
+                out.append(kid)
+    return out
+
+
+def tool_script(first_seeds: set[int]):
+    """Turn 0 writes a code block; on the first try (`first_seeds`) the code sleeps far past any
+    kill, so only a sandbox failure ends it. Turn 1 boxes 42 if the tool printed it, else 13."""
+    def script(prompt, request):
+        if request.params.seed % 1000 == 0:
+            nap = "time.sleep(120)\n" if request.params.seed // 1000 in first_seeds else ""
+            return ["Let me compute.\n", f"```python\nimport time\n{nap}print(6 * 7)\n```\n"]
+        block = prompt[prompt.rfind("```output\n"):]
+        return ["So the answer is ", "\\boxed{42}" if "42" in block else "\\boxed{13}"]
+    return script
+
+
+@pytest.mark.parametrize("stateful", [False, True], ids=["pool cells", "sessions"])
+def test_a_sandbox_killed_mid_problem_is_retried_and_reported(stateful):
+    """The sandbox's processes are killed from outside while every sample's code runs (as an OOM
+    killer or a crash would): the problem lost its tools, so it is solved again with fresh samples,
+    which get the right answer; the run's log and results say which problem and why."""
+    import os
+    import signal
+    import threading
+    import zlib
+
+    from server.problems import Problem, run_problems
+
+    n = 3
+    cfg = SolverSpec(samples=n, early_stop_first=n, early_stop_agree=n, enough_finished=n)
+    first = {zlib.crc32(b"p1\nproblem") % 100_000 + i for i in range(n)}
+    eng = ScriptedEngine(tool_script(first), step_seconds=0.001)
+    logs: list[str] = []
+    with SandboxPool(SandboxConfig(limits=Limits(wall_seconds=200), pool_size=n)) as pool:
+        client = TIRClient(eng, pool, sampling=SamplingParams(temperature=0, max_tokens=1000), stateful=stateful,
+                           tool_seconds=200)
+        stop = threading.Event()
+        kills = []
+
+        def killer():
+            """Kill every sandbox process, again and again, until each first-try sample got its
+            tool's (killed) result back and asked for its next turn."""
+            while not stop.is_set():
+                second_turns = {r.params.seed // 1000 for r in eng.requests if r.params.seed % 1000 == 1}
+                if first <= second_turns:
+                    return
+                for pid in sandbox_processes():
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                        kills.append(pid)
+                    except ProcessLookupError:
+                        pass
+                stop.wait(0.2)
+        thread = threading.Thread(target=killer, daemon=True)
+        thread.start()
+        try:
+            report = asyncio.run(run_problems(Solver(eng, client, cfg), [Problem("p1", "problem", 42)],
+                                              TimeBudget(BudgetSpec(policy="fixed", total_seconds=600), 1),
+                                              progress=logs.append))
+        finally:
+            stop.set()
+            thread.join(30)
+    assert kills
+    r = report.results[0]
+    assert r.attempts == 2 and r.answer == 42 and r.correct, (r.votes, [t.text for t in r.traces])
+    assert r.tool_failure and f"{n} of {n} samples had code calls lost by the sandbox" in r.tool_failure
+    assert r.tool_faults == n  # the first try's calls; the retry's ran clean
+    assert sorted(t.sample for t in r.traces) == list(range(2 * n))  # both tries kept; the faulty ones did not vote
+    assert r.votes == {42: n}
+    assert report.summary()["tools_lost"] == {"p1": r.tool_failure + "; retried (1 more try)"}
+    assert any("LOST ITS TOOLS" in line and "p1" in line for line in logs), logs
+    assert "p1           lost its tools" in report.table()
+
+
+class BrokenSandbox:
+    """A sandbox that cannot run anything any more (its pool is gone): every call raises."""
+
+    def session(self):
+        raise RuntimeError("sandbox pool is closed")
+
+    async def arun(self, code, timeout=None):
+        raise RuntimeError("sandbox pool is closed")
+
+
+def test_a_sandbox_that_stays_broken_is_reported_without_a_retry():
+    n = 2
+    cfg = SolverSpec(samples=n, early_stop_first=n, early_stop_agree=n, enough_finished=n)
+    eng = ScriptedEngine(tool_script(set()))
+    client = TIRClient(eng, BrokenSandbox(), sampling=SamplingParams(temperature=0, max_tokens=1000), stateful=False)
+    r = asyncio.run(Solver(eng, client, cfg).solve("p1", "problem", time.monotonic() + 60))
+    assert r.attempts == 1 and r.answer == 13  # the samples' own answer: nothing better to vote with
+    assert "no retry: the sandbox probe raised RuntimeError: sandbox pool is closed" in r.tool_failure
+    assert all(c.fault.startswith("sandbox error: RuntimeError") for t in r.traces for c in t.code_calls)
+
+
+def test_one_lost_call_does_not_retry_but_its_sample_does_not_vote():
+    """Below TOOL_FAULT_SHARE the problem keeps its samples; the one fed a false tool result is left
+    out of the vote while others vote."""
+    from server.solver import tool_failure
+    from server.tir import ToolCall
+
+    ok = [trace(7) for _ in range(4)]
+    bad = trace(13)
+    bad.code_calls.append(ToolCall("print(1)", "killed", 0.0, "", "killed", fault="worker lost"))
+    assert tool_failure(ok + [bad]) is None
+    assert tool_failure(ok[:2] + [bad]) is not None  # 1 of 3 >= 25%

@@ -11,6 +11,8 @@ Failures are loud where a zero submission would hide them, quiet where an answer
   gateway reports it), and so does a sandbox that cannot start;
 - once loaded, an engine found dead (its thread gone, not just a flag) or failing every sample is
   restarted, and the problem continues from fresh samples in the time it has left;
+- a problem that lost its tools (the sandbox lost its code calls) is retried by the solver in the
+  time it has left; the log says so and `tools_lost` keeps which problems and why;
 - a problem that cannot be asked (null or empty text, a prompt over `max_input_len`) is answered
   with `default_answer` and a log line that says why, without touching the engine;
 - answers are integers in [0, answer_range) (AIMO-2: 1000, AIMO-3: 100000), never wider than Int64.
@@ -27,6 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from server.kaggle.rows import answer_frame, read_rows
+from server.problems import tools_note
 from trtbuild.core.recipe import ANSWER_RANGES, ServingSpec, parse_section
 
 HEARTBEAT_SECONDS = 30.0
@@ -76,6 +79,7 @@ class Predictor:
         self.sandbox: Any = None
         self.budget: Any = None
         self.restarts = 0
+        self.tools_lost: dict[str, str] = {}  # problem id -> what happened (server.problems.tools_note)
         self.calls = 0
         self.started_at = started_at if started_at is not None else time.time()
         self.timings: dict[str, float] = {}
@@ -178,7 +182,10 @@ class Predictor:
                     engine_failed = bool(result.traces) and all(t.finish == "error" for t in result.traces)
                     self.log(f"{pid}: answer {answer} (votes {dict(result.votes)}, {result.finished} finished, "
                              f"stop {result.stop_rule}, {result.seconds:.1f}s of {allowance:.0f}s)"
-                             + (f"; every sample failed: {result.traces[0].error}" if engine_failed else ""))
+                             + (f"; every sample failed: {result.traces[0].error}" if engine_failed else "")
+                             + (f"; LOST ITS TOOLS: {tools_note(result)}" if result.tool_failure else ""))
+                    if result.tool_failure:
+                        self.tools_lost[pid] = tools_note(result)
                 except Exception as e:  # noqa: BLE001 - the solver itself failed
                     engine_failed = True
                     self.log(f"{pid}: solver failed: {type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}")
