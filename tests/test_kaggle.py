@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -416,3 +417,37 @@ def test_an_engine_that_dies_and_cannot_be_restarted_fails_loudly(tmp_path):
     with pytest.raises(EngineStartError, match="illegal memory access"):
         p.predict(*series("q2", "x"))
     p.close()
+
+
+# ------------------------------------------------------------------ execute: its temporary install folder
+def small_notebook(folder: Path, *cells: str) -> Path:
+    """A dataset folder whose aimo_trt.ipynb is just `cells` (what execute() runs; no wheels, no engine)."""
+    import nbformat
+
+    folder.mkdir(parents=True)
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    nbformat.write(nb, str(folder / "aimo_trt.ipynb"))
+    return folder
+
+
+def test_execute_removes_the_site_folder_it_made_also_when_the_run_fails(tmp_path, monkeypatch):
+    """`make kaggle` once left a ~480 MB aimo-trt-site-* folder in /tmp on every run."""
+    from server.kaggle.execute import SITE_PREFIX, execute
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setattr("tempfile.tempdir", str(tmp))  # where TemporaryDirectory/mkdtemp put folders
+    fill = "import os; open(os.path.join(os.environ['AIMO_TRT_SITE'], 'wheel.bin'), 'wb').write(b'x' * 1000)"
+    ok = small_notebook(tmp_path / "ok", fill, "print('site', os.environ['AIMO_TRT_SITE'])")
+    bad = small_notebook(tmp_path / "bad", fill, "raise RuntimeError('the engine could not load')")
+    report = execute(ok, tmp_path / "out-ok", timeout=120)
+    assert report["error"] is None and f"site {tmp}{os.sep}{SITE_PREFIX}" in report["printed"]
+    report = execute(bad, tmp_path / "out-bad", timeout=120)
+    assert "the engine could not load" in report["error"]
+    with pytest.raises(FileNotFoundError):
+        execute(tmp_path / "no-notebook", tmp_path / "out-none", timeout=120)
+    assert sorted(p.name for p in tmp.iterdir()) == []
+    kept = tmp_path / "my-site"
+    kept.mkdir()
+    execute(ok, tmp_path / "out-kept", site=kept, timeout=120)
+    assert (kept / "wheel.bin").is_file()  # a folder the caller passed is the caller's
