@@ -267,3 +267,48 @@ def test_the_double_warns_when_the_server_starts_after_the_startup_limit(double,
     with pytest.warns(RuntimeWarning, match="seconds elapsed before server startup"):
         double["aimo3"](good_predict).run_local_gateway((str(problems_csv(tmp_path)),))
     assert json.loads((tmp_path / "double_report.json").read_text())["startup_warning"] is True
+
+
+# ------------------------------------------------------------------ blank rows in the problems CSV
+BLANK_ROWS = "1,one,1\n\n2,two,2\n\n\n"  # blank lines 3, 5 and 6 (the header is line 1)
+
+
+def test_the_real_gateway_reads_blank_rows_as_problems_with_null_ids(double, tmp_path):
+    """Why blank rows are refused: like the real gateway (polars.read_csv), the faithful double passes each one
+    to predict as a problem and submits its answer under a null id."""
+    seen = []
+
+    def predict(*row):
+        seen.append(row[0][0])
+        return pl.DataFrame({"id": row[0], "answer": [0]})
+    double["aimo2"](predict).run_local_gateway((str(problems_csv(tmp_path, BLANK_ROWS)),))
+    assert len(seen) == 5 and seen.count(None) == 3
+    assert pl.read_parquet(tmp_path / "submission.parquet")["id"].null_count() == 3
+
+
+def test_blank_rows_are_refused_alike_by_the_check_our_gateway_and_the_runner(double, tmp_path):
+    from server.kaggle import gateway, runner
+    from server.problems import read_problems
+
+    csv = problems_csv(tmp_path, BLANK_ROWS)
+    words = r"test.csv: lines 3, 5, 6: blank rows: Kaggle's gateway"
+    calls = []
+
+    def predict(*row):
+        calls.append(row)
+        return good_predict(*row)
+    with pytest.raises(ValueError, match=words):
+        read_problems(csv)  # make kaggle's check
+    with pytest.raises(gateway.GatewayError, match=words):
+        gateway.run(predict, csv, tmp_path / "ours", log=lambda m: None)
+    with pytest.raises(gateway.GatewayError, match=words):
+        runner.serve(predict, str(csv), out=str(tmp_path / "ours"))  # the competition's local gateway
+    assert not calls and not (tmp_path / "ours").exists() and not (tmp_path / "submission.parquet").exists()
+
+
+def test_our_gateway_refuses_an_empty_id_with_its_line(tmp_path):
+    from server.kaggle import gateway
+
+    with pytest.raises(gateway.GatewayError, match="test.csv: line 3: empty id"):
+        gateway.run(good_predict, problems_csv(tmp_path, "1,one,1\n,two,2\n"), tmp_path / "out", log=lambda m: None)
+    assert not (tmp_path / "out").exists()

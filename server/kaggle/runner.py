@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from server.kaggle.competitions import RERUN_ENV, competition
+from server.kaggle.gateway import read_frame, run
 
 KAGGLE_INPUT = os.environ.get("AIMO_KAGGLE_INPUT", "/kaggle/input")  # where Kaggle mounts data (tests move it)
 
@@ -70,10 +71,9 @@ def serve(predict: Callable, problems_csv: Optional[str] = None, out: str = "/ka
         else:
             if not problems_csv:
                 raise FileNotFoundError("the competition's local gateway needs a problems CSV")
+            read_frame(Path(problems_csv))  # refused as our gateway refuses it: no null id in the submission
             server.run_local_gateway((str(problems_csv),))
         return None
-    from server.kaggle.gateway import run
-
     if not problems_csv:
         raise FileNotFoundError("no kaggle_evaluation module and no problems CSV for the local gateway")
     return run(predict, Path(problems_csv), Path(out), competition=competition, started_at=started_at)
