@@ -283,6 +283,7 @@ def test_generated_notebook_runs_against_the_faithful_gateway_on_the_shipped_pro
     assert "kaggle_evaluation:" in report["printed"] and str(ROOT / "tests" / "kaggle_double") in report["printed"]
     double = report["double_report"]
     assert double["error"] is None and len(double["calls"]) == n
+    assert double["core"] == "0.9.0" and double["competition"] == "aimo3"  # under AIMO-3's rules (plain-function listener)
     assert all(c["args"] == ["id", "problem", "answer"] for c in double["calls"])
     assert report["problems"] == n and not report["missing"] and report["scored"] == n
     sub = pl.read_parquet(out / "submission.parquet")

@@ -5,6 +5,7 @@
   local gateway, which would write a submission nobody reads.
 - Otherwise the competition's `run_local_gateway((csv,))` when `kaggle_evaluation` imports (it is
   looked for under /kaggle/input too), else this project's local gateway (server/kaggle/gateway.py).
+- The competition's server is given `predict` as a plain function named `predict` (see as_listener).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import glob
 import importlib
 import os
 import sys
+import types
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -50,6 +52,18 @@ def import_server(name: str) -> Any:
         raise ImportError(f"{comp.server_module} has no {comp.server_class}: {e}") from None
 
 
+def as_listener(fn: Callable) -> Callable:
+    """`fn` as the competition's server takes it: AIMO-3's accepts only a plain function (a bound method, a
+    functools.partial or a callable object is a ValueError) and both key it by its name, which the gateway
+    calls as `predict`; anything else is wrapped in such a function."""
+    if isinstance(fn, types.FunctionType) and fn.__name__ == "predict":
+        return fn
+
+    def predict(*row: Any) -> Any:
+        return fn(*row)
+    return predict
+
+
 def serve(predict: Callable, problems_csv: Optional[str] = None, out: str = "/kaggle/working",
           competition: str = "aimo3", started_at: Optional[float] = None, log: Callable[[str], None] = print
           ) -> Optional[dict]:
@@ -65,7 +79,7 @@ def serve(predict: Callable, problems_csv: Optional[str] = None, out: str = "/ka
         server_cls = None
         log(f"[kaggle] no kaggle_evaluation ({e}); running this project's local gateway")
     if server_cls is not None:
-        server = server_cls(predict)
+        server = server_cls(as_listener(predict))
         if rerun:
             server.serve()
         else:
