@@ -51,7 +51,7 @@ help:
 	@echo "make serve MODEL=mix       OpenAI-compatible HTTP server on http://$(HOST):$(PORT)/v1 (BACKEND=auto|embedded|trtllm|triton|openai)"
 	@echo "make solve BACKEND=openai URL=h1:8000,h2:8000   solve through OpenAI-compatible servers (trtllm-serve, vLLM, SGLang, make serve)"
 	@echo "make eval MODEL=mix        K samples per problem for each variant (DATA=, K=, VARIANTS=, TOOL_SETTINGS=), report + plots + replay"
-	@echo "make kaggle MODEL=mix      Kaggle dataset folder + notebook ($(OUT)/kaggle; DATASET=<slug> names the dataset, default aimo-trt), then the notebook run offline with the local gateway"
+	@echo "make kaggle MODEL=mix      Kaggle dataset folder + notebook ($(OUT)/kaggle; DATASET=<slug> names the dataset, default aimo-trt; KAGGLE_PYTHON=3.11 the image's Python), then the notebook run offline with the local gateway"
 	@echo "make doctor MODEL=mix      which backends this machine can use, and why not (TRTLLM_PYTHON=...)"
 	@echo "make gpu-smoke             GPU host: build tiny bf16/FP8 engines with TensorRT-LLM and check them"
 	@echo "make trtllm-venv           GPU host: $(TRTLLM_VENV) with the pinned TensorRT-LLM (TRTLLM_INDEX_URL=...)"
@@ -184,19 +184,25 @@ eval: build
 KAGGLE_WHEELS ?= runtime
 # the Kaggle dataset's name (slug): the notebook looks for a folder of that name under /kaggle/input
 DATASET ?= aimo-trt
+# the Python of Kaggle's image, which the shipped binary wheels are downloaded for (3.MINOR)
+KAGGLE_PYTHON ?= 3.11
 TRTLLM_WHEELS ?=
+.PHONY: kaggle-python
+kaggle-python:
+	@echo "$(KAGGLE_PYTHON)" | grep -Eqx '3\.(0|[1-9][0-9]?)' || { echo "make kaggle: KAGGLE_PYTHON must be 3.MINOR, e.g. 3.11 (the Python of Kaggle's image); got '$(KAGGLE_PYTHON)'"; exit 2; }
+
 ifeq ($(BACKEND),trtllm)
-kaggle: kaggle-trtllm-wheels build
+kaggle: kaggle-python kaggle-trtllm-wheels build
 	$(PY) -m server.kaggle.package --recipe $(RECIPE) --out $(OUT)/kaggle --backend trtllm \
-		--trtllm-wheels "$(TRTLLM_WHEELS)" --problems $(PROBLEMS) --dataset-name $(DATASET)
+		--trtllm-wheels "$(TRTLLM_WHEELS)" --problems $(PROBLEMS) --dataset-name $(DATASET) --python-version $(KAGGLE_PYTHON)
 	@echo "== $(OUT)/kaggle: upload it as a dataset; its notebook runs on a Kaggle GPU (TensorRT-LLM cannot run here)"
 
 kaggle-trtllm-wheels:
 	@test -n "$(TRTLLM_WHEELS)" && test -d "$(TRTLLM_WHEELS)" || { echo "make kaggle BACKEND=trtllm: set TRTLLM_WHEELS to a folder with the tensorrt_llm-1.2.x wheel and its dependencies' wheels (pip download tensorrt-llm==1.2.1 -d DIR where NVIDIA's index is reachable); got '$(TRTLLM_WHEELS)'"; exit 2; }
 else
-kaggle: build
+kaggle: kaggle-python build
 	$(PY) -m server.kaggle.package --recipe $(RECIPE) --out $(OUT)/kaggle --wheels $(KAGGLE_WHEELS) --problems $(PROBLEMS) \
-		--dataset-name $(DATASET)
+		--dataset-name $(DATASET) --python-version $(KAGGLE_PYTHON)
 	$(PY) -m server.kaggle.execute --dataset $(OUT)/kaggle --out $(OUT)/kaggle-run
 endif
 

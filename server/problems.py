@@ -38,32 +38,66 @@ def read_csv_text(path: str | Path) -> str:
                          "save the file as UTF-8") from None
 
 
-def read_problems(path: str | Path) -> list[Problem]:
-    """A CSV with columns id, problem and optionally answer (an integer). Fields may be of any size
-    (the real gateway reads a 1 MB problem)."""
-    path = Path(path)
-    text = read_csv_text(path)
+def csv_rows(text: str) -> tuple[list[str], list[tuple[int, list[str]]]]:
+    """The header and each record after it with the line it starts on, as Kaggle's gateway sees the file:
+    blank lines before the header are skipped (polars skips them too) but blank rows after it are kept,
+    because polars.read_csv, which the gateway uses, reads each one as a row of nulls (csv.DictReader
+    would skip them silently). Fields may be of any size (the real gateway reads a 1 MB problem)."""
     csv.field_size_limit(max(csv.field_size_limit(), 1 << 30))
-    with io.StringIO(text, newline="") as f:
-        reader = csv.DictReader(f)
-        cols = reader.fieldnames or []
-        for need in ("id", "problem"):
-            if need not in cols:
-                raise ValueError(f"{path}: missing column {need!r} (columns: {', '.join(cols) or 'none'})")
-        out, seen = [], set()
-        for row_no, row in enumerate(reader, start=2):
-            pid, text = (row.get("id") or "").strip(), (row.get("problem") or "").strip()
-            if not pid or not text:
-                raise ValueError(f"{path}: line {row_no}: empty id or problem")
-            if pid in seen:
-                raise ValueError(f"{path}: line {row_no}: duplicate id {pid!r}")
-            seen.add(pid)
-            raw = (row.get("answer") or "").strip()
-            try:
-                answer = int(raw) if raw else None
-            except ValueError:
-                raise ValueError(f"{path}: line {row_no}: column 'answer' must be an integer (got {raw!r})") from None
-            out.append(Problem(pid, text, answer))
+    reader = csv.reader(io.StringIO(text, newline=""))
+    header: list[str] = []
+    rows: list[tuple[int, list[str]]] = []
+    line = 0  # the last line read so far: a record starts on the line after it
+    for fields in reader:
+        if header:
+            rows.append((line + 1, fields))
+        else:
+            header = fields  # [] while the lines are blank
+        line = reader.line_num
+    return header, rows
+
+
+def is_blank(fields: list[str]) -> bool:
+    """A blank row: an empty line, spaces only, or only empty fields (`,,`); polars reads it as nulls."""
+    return not any(f.strip() for f in fields)
+
+
+def check_blank_rows(path: str | Path, rows: list[tuple[int, list[str]]]) -> None:
+    """A CSV with blank rows is refused, naming every such line: Kaggle's gateway would pass each one
+    to `predict` as a problem with a null id, and the answer would be submitted under that null id."""
+    blank = [line for line, fields in rows if is_blank(fields)]
+    if blank:
+        shown = ", ".join(map(str, blank[:20])) + (f" and {len(blank) - 20} more" if len(blank) > 20 else "")
+        many = "s" if len(blank) > 1 else ""
+        raise ValueError(f"{path}: line{many} {shown}: blank row{many}: Kaggle's gateway (polars.read_csv) reads a "
+                         "blank row as a problem with a null or blank id and submits its answer under that id; "
+                         "delete the blank lines")
+
+
+def read_problems(path: str | Path) -> list[Problem]:
+    """A CSV with columns id, problem and optionally answer (an integer), checked as Kaggle's gateway
+    would read it: blank rows are an error (see check_blank_rows), as are empty and duplicate ids."""
+    path = Path(path)
+    cols, rows = csv_rows(read_csv_text(path))
+    for need in ("id", "problem"):
+        if need not in cols:
+            raise ValueError(f"{path}: missing column {need!r} (columns: {', '.join(cols) or 'none'})")
+    check_blank_rows(path, rows)
+    out, seen = [], set()
+    for row_no, fields in rows:
+        row = dict(zip(cols, fields))
+        pid, text = (row.get("id") or "").strip(), (row.get("problem") or "").strip()
+        if not pid or not text:
+            raise ValueError(f"{path}: line {row_no}: empty id or problem")
+        if pid in seen:
+            raise ValueError(f"{path}: line {row_no}: duplicate id {pid!r}")
+        seen.add(pid)
+        raw = (row.get("answer") or "").strip()
+        try:
+            answer = int(raw) if raw else None
+        except ValueError:
+            raise ValueError(f"{path}: line {row_no}: column 'answer' must be an integer (got {raw!r})") from None
+        out.append(Problem(pid, text, answer))
     if not out:
         raise ValueError(f"{path}: no problems")
     return out

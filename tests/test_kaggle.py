@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -281,6 +283,7 @@ def test_generated_notebook_runs_against_the_faithful_gateway_on_the_shipped_pro
     assert "kaggle_evaluation:" in report["printed"] and str(ROOT / "tests" / "kaggle_double") in report["printed"]
     double = report["double_report"]
     assert double["error"] is None and len(double["calls"]) == n
+    assert double["core"] == "0.9.0" and double["competition"] == "aimo3"  # under AIMO-3's rules (plain-function listener)
     assert all(c["args"] == ["id", "problem", "answer"] for c in double["calls"])
     assert report["problems"] == n and not report["missing"] and report["scored"] == n
     sub = pl.read_parquet(out / "submission.parquet")
@@ -416,3 +419,100 @@ def test_an_engine_that_dies_and_cannot_be_restarted_fails_loudly(tmp_path):
     with pytest.raises(EngineStartError, match="illegal memory access"):
         p.predict(*series("q2", "x"))
     p.close()
+
+
+# ------------------------------------------------------------------ execute: its temporary install folder
+def small_notebook(folder: Path, *cells: str) -> Path:
+    """A dataset folder whose aimo_trt.ipynb is just `cells` (what execute() runs; no wheels, no engine)."""
+    import nbformat
+
+    folder.mkdir(parents=True)
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    nbformat.write(nb, str(folder / "aimo_trt.ipynb"))
+    return folder
+
+
+def test_execute_removes_the_site_folder_it_made_also_when_the_run_fails(tmp_path, monkeypatch):
+    """`make kaggle` once left a ~480 MB aimo-trt-site-* folder in /tmp on every run."""
+    from server.kaggle.execute import SITE_PREFIX, execute
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setattr("tempfile.tempdir", str(tmp))  # where TemporaryDirectory/mkdtemp put folders
+    fill = "import os; open(os.path.join(os.environ['AIMO_TRT_SITE'], 'wheel.bin'), 'wb').write(b'x' * 1000)"
+    ok = small_notebook(tmp_path / "ok", fill, "print('site', os.environ['AIMO_TRT_SITE'])")
+    bad = small_notebook(tmp_path / "bad", fill, "raise RuntimeError('the engine could not load')")
+    report = execute(ok, tmp_path / "out-ok", timeout=120)
+    assert report["error"] is None and f"site {tmp}{os.sep}{SITE_PREFIX}" in report["printed"]
+    report = execute(bad, tmp_path / "out-bad", timeout=120)
+    assert "the engine could not load" in report["error"]
+    with pytest.raises(FileNotFoundError):
+        execute(tmp_path / "no-notebook", tmp_path / "out-none", timeout=120)
+    assert sorted(p.name for p in tmp.iterdir()) == []
+    kept = tmp_path / "my-site"
+    kept.mkdir()
+    execute(ok, tmp_path / "out-kept", site=kept, timeout=120)
+    assert (kept / "wheel.bin").is_file()  # a folder the caller passed is the caller's
+
+
+# ------------------------------------------------------------------ the wheels' target Python (KAGGLE_PYTHON)
+def fake_wheel(folder: Path, name: str, tag: str) -> None:
+    """A minimal wheel file (metadata only): enough for pip to choose among wheels by their tags."""
+    import zipfile
+
+    info = f"{name}-1.0.dist-info"
+    with zipfile.ZipFile(folder / f"{name}-1.0-{tag}.whl", "w") as z:
+        z.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+        z.writestr(f"{info}/WHEEL", f"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: {tag}\n")
+        z.writestr(f"{info}/RECORD", "")
+
+
+def test_the_wheels_are_downloaded_for_the_chosen_python(tmp_path):
+    """The command carries the version and its ABI; run offline against a folder of wheels, pip picks the
+    chosen Python's binary wheel (and pure-Python / abi3 ones), not this interpreter's."""
+    import subprocess
+
+    from server.kaggle.package import KAGGLE_PYTHON, download_command
+
+    assert KAGGLE_PYTHON == "3.11"
+    cmd = download_command(["foo==1.0"], tmp_path / "w")
+    assert " --python-version 3.11 --implementation cp --abi cp311 " in " ".join(cmd)
+    assert cmd[cmd.index("-d") + 1] == str(tmp_path / "w") and cmd[-1] == "foo==1.0"
+    index = tmp_path / "index"
+    index.mkdir()
+    for minor in (11, 12):
+        fake_wheel(index, "foo", f"cp3{minor}-cp3{minor}-manylinux_2_17_x86_64")
+    fake_wheel(index, "bar", "py3-none-any")
+    fake_wheel(index, "baz", "cp39-abi3-manylinux_2_28_x86_64")
+    for version in ("3.11", "3.12"):
+        cmd = download_command(["foo==1.0", "bar==1.0", "baz==1.0"], tmp_path / version, version)
+        offline = [*cmd[:4], "--no-index", "--find-links", str(index), *cmd[4:]]
+        subprocess.run(offline, check=True, capture_output=True)
+        tag = "cp" + version.replace(".", "")
+        assert sorted(p.name for p in (tmp_path / version).iterdir()) == [
+            "bar-1.0-py3-none-any.whl", "baz-1.0-cp39-abi3-manylinux_2_28_x86_64.whl",
+            f"foo-1.0-{tag}-{tag}-manylinux_2_17_x86_64.whl"]
+
+
+@pytest.mark.parametrize("bad", ["3.x", "311", "3.11.4", "2.7", "", "3.011", " 3.11"])
+def test_a_malformed_python_version_is_refused_before_anything_is_written(tmp_path, bad):
+    from server.kaggle.package import build, download_command
+
+    problems = tmp_path / "p.csv"
+    problems.write_text("id,problem,answer\na,one,1\n")
+    with pytest.raises(ValueError, match=rf"python version {re.escape(repr(bad))}: use 3.MINOR, e.g. 3.11"):
+        build(engine_folder(tmp_path), tmp_path / "out", problems, python_version=bad)
+    with pytest.raises(ValueError, match="use 3.MINOR"):
+        download_command([], tmp_path, bad)
+    assert not (tmp_path / "out").exists()
+
+
+def test_make_kaggle_passes_kaggle_python_and_refuses_a_malformed_one_before_any_work():
+    import subprocess
+
+    dry = subprocess.run(["make", "-n", "kaggle", "KAGGLE_PYTHON=3.12"], cwd=ROOT, capture_output=True, text=True)
+    assert dry.returncode == 0 and "--python-version 3.12" in dry.stdout
+    assert "--python-version 3.11" in subprocess.run(["make", "-n", "kaggle"], cwd=ROOT, capture_output=True,
+                                                     text=True).stdout
+    proc = subprocess.run(["make", "-s", "kaggle", "KAGGLE_PYTHON=3.x"], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 2 and "KAGGLE_PYTHON must be 3.MINOR" in proc.stdout + proc.stderr

@@ -5,6 +5,7 @@ which must behave the same way, and the runner that picks between them (the reru
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import os
 import sys
@@ -53,10 +54,16 @@ good_predict = predict
 # ------------------------------------------------------------------ the facts and the double
 def test_every_fact_names_its_repository_and_commit():
     assert all(len(s["commit"]) == 40 and s["repo"] and s["path"].startswith("kaggle_evaluation/")
-               for s in FACTS["sources"])
-    paths = {s["path"] for s in FACTS["sources"]}
-    assert {"kaggle_evaluation/aimo_2_gateway.py", "kaggle_evaluation/aimo_3_gateway.py",
-            "kaggle_evaluation/core/templates.py", "kaggle_evaluation/core/relay.py"} <= paths
+               and s["competition"] in ("aimo2", "aimo3") for s in FACTS["sources"])
+    core = {"kaggle_evaluation/core/templates.py", "kaggle_evaluation/core/relay.py",
+            "kaggle_evaluation/core/base_gateway.py", "kaggle_evaluation/__init__.py"}
+    for competition in ("aimo2", "aimo3"):  # each competition's own core, not one standing in for the other
+        paths = {s["path"] for s in FACTS["sources"] if s["competition"] == competition}
+        assert core | {f"kaggle_evaluation/{competition[:4]}_{competition[4]}_gateway.py",
+                       f"kaggle_evaluation/{competition[:4]}_{competition[4]}_inference_server.py"} <= paths
+    versions = {s["competition"]: s["package_version"] for s in FACTS["sources"]
+                if s["path"] == "kaggle_evaluation/__init__.py"}
+    assert versions == {"aimo2": "0.3.0", "aimo3": "0.9.0"} == {c: v["package_version"] for c, v in FACTS["cores"].items()}
     assert FACTS["timeouts"]["response_timeout_seconds"] == {"aimo2": 1800, "aimo3": 32400}
 
 
@@ -99,7 +106,10 @@ def test_the_double_refuses_a_two_argument_predict_like_the_real_one(double, tmp
         double["aimo3"](predict).run_local_gateway((str(problems_csv(tmp_path)),))
 
 
-def test_the_double_has_no_deadline_on_the_first_call_and_one_after(double, tmp_path, monkeypatch):
+@pytest.mark.parametrize("competition,kind", [("aimo2", "SERVER_CONNECTION_FAILED"),
+                                              ("aimo3", "GRPC_DEADLINE_EXCEEDED")])
+def test_the_double_has_no_deadline_on_the_first_call_and_one_after(double, tmp_path, monkeypatch, competition, kind):
+    """A late answer is SERVER_CONNECTION_FAILED in AIMO-2's core and its own GRPC_DEADLINE_EXCEEDED in AIMO-3's."""
     from kaggle_evaluation._double import GatewayRuntimeError
 
     monkeypatch.setenv("KAGGLE_DOUBLE_TIMEOUT", "0.3")
@@ -109,9 +119,97 @@ def test_the_double_has_no_deadline_on_the_first_call_and_one_after(double, tmp_
         calls.append(1)
         time.sleep(0.6 if len(calls) in (1, 2) else 0)  # the first is slow and allowed; the second is late
         return good_predict(*row)
-    with pytest.raises(GatewayRuntimeError, match="Deadline Exceeded"):
+    with pytest.raises(GatewayRuntimeError) as e:
+        double[competition](predict).run_local_gateway((str(problems_csv(tmp_path)),))
+    assert len(calls) == 2 and e.value.kind.name == kind == FACTS["cores"][competition]["deadline_error"]
+
+
+# ------------------------------------------------------------------ what AIMO-3's core does differently
+class Solver:
+    def predict(self, *row):
+        return good_predict(*row)
+
+
+def answer(*row, scale=1):
+    return good_predict(*row)
+
+
+class CallableSolver:
+    def __call__(self, *row):
+        return good_predict(*row)
+
+
+@pytest.mark.parametrize("listener,kind", [(Solver().predict, "method"), (functools.partial(answer, scale=2), "partial"),
+                                           (CallableSolver(), "CallableSolver")])
+def test_the_aimo3_double_refuses_a_bound_method_or_partial_as_listener_like_the_real_one(double, listener, kind):
+    assert FACTS["cores"]["aimo3"]["listeners"]["rule"] == "function"
+    with pytest.raises(ValueError, match=f"Endpoint listeners passed to `serve` must be functions, got .*{kind}"):
+        double["aimo3"](listener)
+
+
+def test_the_aimo2_double_takes_any_named_callable_as_the_real_one_does(double, tmp_path):
+    double["aimo2"](Solver().predict).run_local_gateway((str(problems_csv(tmp_path)),))  # a bound method serves
+    assert pl.read_parquet(tmp_path / "submission.parquet").height == 3
+    with pytest.raises(AttributeError):  # upstream reads the listener's __name__, which a partial lacks
+        double["aimo2"](functools.partial(answer, scale=2))
+
+
+def test_the_aimo3_double_overwrites_the_ids_instead_of_comparing_them(double, tmp_path):
+    """AIMO-3's gateway puts its own ids into the submission: str(id), or no id column at all, is not refused."""
+    def predict(*row):
+        return pl.DataFrame({"answer": [len(row[1][0])], "id": [f"x{row[0][0]}"]})
+    double["aimo3"](predict).run_local_gateway((str(problems_csv(tmp_path)),))
+    sub = pl.read_parquet(tmp_path / "submission.parquet")
+    assert sub.columns == ["id", "answer"] and sub["id"].dtype == pl.Int64 and sorted(sub.rows()) == [(1, 3), (2, 3),
+                                                                                                      (3, 5)]
+
+    def predict(*row):  # noqa: F811 - the listener must be named predict
+        return pl.DataFrame({"answer": [0]})
+    double["aimo3"](predict).run_local_gateway((str(problems_csv(tmp_path)),))
+    assert sorted(pl.read_parquet(tmp_path / "submission.parquet")["id"].to_list()) == [1, 2, 3]
+
+
+@pytest.mark.parametrize("bad,kind", [
+    (lambda *row: None, "INVALID_SUBMISSION"),
+    (lambda *row: pl.DataFrame({"id": [1, 2], "answer": [1, 2]}), "INVALID_SUBMISSION"),  # two rows for one
+    (lambda *row: pl.DataFrame({"id": row[0], "answer": [10 ** 30]}), "SERVER_RAISED_EXCEPTION"),  # Int128
+    (lambda *row: 7, "GATEWAY_RAISED_EXCEPTION"),  # a bare int passes validation but not write_submission
+])
+def test_the_aimo3_double_rejects_what_its_core_rejects(double, tmp_path, bad, kind):
+    from kaggle_evaluation._double import GatewayRuntimeError
+
+    def predict(*row):
+        return bad(*row)
+    with pytest.raises(GatewayRuntimeError) as e:
         double["aimo3"](predict).run_local_gateway((str(problems_csv(tmp_path)),))
-    assert len(calls) == 2
+    assert e.value.kind.name == kind
+
+
+def test_the_aimo3_double_takes_the_first_free_port_of_its_fallbacks(double, tmp_path, monkeypatch):
+    import kaggle_evaluation._double as core
+
+    ports = FACTS["cores"]["aimo3"]["ports"]
+    assert ports == [50051, *range(60053, 60063)] and FACTS["cores"]["aimo2"]["ports"] == [50051]
+    monkeypatch.setattr(core, "port_is_free", lambda port: port not in (50051, 60053))
+    double["aimo3"](good_predict).run_local_gateway((str(problems_csv(tmp_path)),))
+    assert json.loads((tmp_path / "double_report.json").read_text())["port"] == 60054
+    assert double["aimo2"](good_predict).relay.port == 50051  # AIMO-2 has no fallback
+    monkeypatch.setattr(core, "port_is_free", lambda port: False)
+    with pytest.raises(ValueError, match=r"None of the expected ports \[50051, 60053, .*60062\] are available"):
+        double["aimo3"](good_predict)
+
+
+@pytest.mark.parametrize("competition", ["aimo3", "aimo2"])
+def test_the_runner_hands_the_server_a_plain_function_named_predict(double, tmp_path, competition):
+    """So `serve(predictor.predict)` (a bound method) or a partial works under AIMO-3's rules too."""
+    from server.kaggle import runner
+
+    for listener in (Solver().predict, functools.partial(answer, scale=2), good_predict):
+        (tmp_path / "submission.parquet").unlink(missing_ok=True)
+        assert runner.serve(listener, str(problems_csv(tmp_path)), out=str(tmp_path / "ours"),
+                            competition=competition) is None
+        assert sorted(pl.read_parquet(tmp_path / "submission.parquet").rows()) == [(1, 3), (2, 3), (3, 5)]
+    assert runner.as_listener(good_predict) is good_predict
 
 
 def test_the_double_under_rerun_serves_and_writes_result_json(double, tmp_path, monkeypatch):
@@ -267,3 +365,48 @@ def test_the_double_warns_when_the_server_starts_after_the_startup_limit(double,
     with pytest.warns(RuntimeWarning, match="seconds elapsed before server startup"):
         double["aimo3"](good_predict).run_local_gateway((str(problems_csv(tmp_path)),))
     assert json.loads((tmp_path / "double_report.json").read_text())["startup_warning"] is True
+
+
+# ------------------------------------------------------------------ blank rows in the problems CSV
+BLANK_ROWS = "1,one,1\n\n2,two,2\n\n\n"  # blank lines 3, 5 and 6 (the header is line 1)
+
+
+def test_the_real_gateway_reads_blank_rows_as_problems_with_null_ids(double, tmp_path):
+    """Why blank rows are refused: like the real gateway (polars.read_csv), the faithful double passes each one
+    to predict as a problem and submits its answer under a null id."""
+    seen = []
+
+    def predict(*row):
+        seen.append(row[0][0])
+        return pl.DataFrame({"id": row[0], "answer": [0]})
+    double["aimo2"](predict).run_local_gateway((str(problems_csv(tmp_path, BLANK_ROWS)),))
+    assert len(seen) == 5 and seen.count(None) == 3
+    assert pl.read_parquet(tmp_path / "submission.parquet")["id"].null_count() == 3
+
+
+def test_blank_rows_are_refused_alike_by_the_check_our_gateway_and_the_runner(double, tmp_path):
+    from server.kaggle import gateway, runner
+    from server.problems import read_problems
+
+    csv = problems_csv(tmp_path, BLANK_ROWS)
+    words = r"test.csv: lines 3, 5, 6: blank rows: Kaggle's gateway"
+    calls = []
+
+    def predict(*row):
+        calls.append(row)
+        return good_predict(*row)
+    with pytest.raises(ValueError, match=words):
+        read_problems(csv)  # make kaggle's check
+    with pytest.raises(gateway.GatewayError, match=words):
+        gateway.run(predict, csv, tmp_path / "ours", log=lambda m: None)
+    with pytest.raises(gateway.GatewayError, match=words):
+        runner.serve(predict, str(csv), out=str(tmp_path / "ours"))  # the competition's local gateway
+    assert not calls and not (tmp_path / "ours").exists() and not (tmp_path / "submission.parquet").exists()
+
+
+def test_our_gateway_refuses_an_empty_id_with_its_line(tmp_path):
+    from server.kaggle import gateway
+
+    with pytest.raises(gateway.GatewayError, match="test.csv: line 3: empty id"):
+        gateway.run(good_predict, problems_csv(tmp_path, "1,one,1\n,two,2\n"), tmp_path / "out", log=lambda m: None)
+    assert not (tmp_path / "out").exists()

@@ -30,12 +30,43 @@ def test_a_bom_and_a_1mb_field_are_read(tmp_path):
     (b"id,problem\na,fine\nb,caf\xe9\n", r"p.csv: line 3: not UTF-8 \(byte 0xe9 at offset 23\)"),
     (b"problem\nx\n", "missing column 'id'"),
     (b"id,problem,answer\na,x,seven\n", "line 2: column 'answer' must be an integer"),
+    (b"id,problem,answer\na,\"x\ny\",1\nb,z,seven\n", "line 4: column 'answer' must be an integer"),  # physical lines
+    (b"id,problem\na,x\nb,\n", "line 3: empty id or problem"),
 ])
 def test_bad_csvs_name_the_file_and_line(tmp_path, content, words):
     f = tmp_path / "p.csv"
     f.write_bytes(content)
     with pytest.raises(ValueError, match=words):
         read_problems(f)
+
+
+@pytest.mark.parametrize("content,lines", [
+    ("id,problem,answer\n1,a,1\n\n2,b,2\n", "line 3: blank row"),
+    ("id,problem,answer\n1,a,1\n2,b,2\n\n\n", "lines 4, 5: blank rows"),  # more than the final newline
+    ("id,problem\n1,a\n   \n2,b\n", "line 3: blank row"),
+    ("id,problem\n1,a\n,\n2,b\n", "line 3: blank row"),
+    ("id,problem\r\n1,a\r\n\r\n2,b\r\n", "line 3: blank row"),
+    ("id,problem\n1,\"two\n\nlines\"\n\n2,b\n", "line 5: blank row"),  # a blank line inside quotes is text
+])
+def test_blank_rows_are_refused_with_their_lines_because_kaggles_gateway_reads_them_as_null_rows(tmp_path, content,
+                                                                                                 lines):
+    import polars as pl
+
+    f = tmp_path / "p.csv"
+    f.write_text(content, newline="")
+    blank = 1 + lines.count(",")
+    frame = pl.read_csv(f)  # what the real gateway does with the file: each blank row is a row of nulls
+    assert frame.height == 2 + blank and frame["problem"].null_count() == blank
+    with pytest.raises(ValueError, match=f"p.csv: {lines}: Kaggle's gateway .* null or blank id"):
+        read_problems(f)
+
+
+def test_blank_lines_before_the_header_are_skipped_by_both_readers(tmp_path):
+    import polars as pl
+
+    f = tmp_path / "p.csv"
+    f.write_text("\n\nid,problem\n1,a\n")
+    assert pl.read_csv(f).height == 1 and [p.id for p in read_problems(f)] == ["1"]
 
 
 def result(pid: str, error: str = "") -> SolveResult:

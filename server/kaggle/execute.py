@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+SITE_PREFIX = "aimo-trt-site-"  # the temporary install folder's name, when the caller gives none
+
 
 def score(submission: Path, problems_csv: Path) -> dict[str, Any]:
     """Answers in `submission.parquet` against the CSV's answer column (where it has one)."""
@@ -35,13 +37,23 @@ def score(submission: Path, problems_csv: Path) -> dict[str, Any]:
 
 def execute(dataset: Path, out: Path, site: Optional[Path] = None, problems: Optional[int] = None,
             samples: Optional[int] = None, timeout: int = 3600, env: Optional[dict[str, str]] = None) -> dict:
-    """Execute the notebook; its report: the score, the gateway's timings, what the cells printed."""
+    """Execute the notebook; its report: the score, the gateway's timings, what the cells printed.
+
+    Without `site` the wheels go to a temporary folder (about 480 MB with the runtime wheels) that is
+    removed when the run ends, failed or not; a `site` the caller passes is the caller's and is kept."""
+    if site is not None:
+        return _execute(dataset, out, site, problems, samples, timeout, env)
+    with tempfile.TemporaryDirectory(prefix=SITE_PREFIX, ignore_cleanup_errors=True) as tmp:
+        return _execute(dataset, out, Path(tmp), problems, samples, timeout, env)
+
+
+def _execute(dataset: Path, out: Path, site: Path, problems: Optional[int], samples: Optional[int], timeout: int,
+             env: Optional[dict[str, str]]) -> dict:
     import nbformat
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError
 
     out.mkdir(parents=True, exist_ok=True)
-    site = site or Path(tempfile.mkdtemp(prefix="aimo-trt-site-"))
     run_env = {"AIMO_TRT_DATASET": str(dataset.resolve()), "AIMO_TRT_SITE": str(site), "AIMO_OUT": str(out.resolve()),
                "PYTHONNOUSERSITE": "1", **(env or {})}
     if problems:

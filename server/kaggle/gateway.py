@@ -7,9 +7,11 @@ Like the real one (facts in tests/upstream/kaggle_evaluation.json) it reads the 
 single-threaded: one single-row Series per CSV column, positionally. It checks each answer as the
 real gateway and relay would (one row, the `id` column equal to its own, an integer answer in the
 competition's range that Arrow can carry), has no deadline on the first call and the competition's
-per-answer deadline after it. Unlike the real one it scores the answers where the CSV has them,
-and writes `submission.parquet` and `gateway_report.json` after every answer (atomically: a crash
-or a full disk keeps every answer already written; a failed write is logged with the answers).
+per-answer deadline after it. Unlike the real one it refuses a CSV with blank rows or empty ids
+(naming their lines), which the real one would answer and submit under a null id, it scores the
+answers where the CSV has them, and it writes `submission.parquet` and `gateway_report.json` after
+every answer (atomically: a crash or a full disk keeps every answer already written; a failed write
+is logged with the answers).
 """
 
 from __future__ import annotations
@@ -32,10 +34,12 @@ class GatewayError(RuntimeError):
 
 
 def read_frame(path: Path) -> Any:
-    """The problems as the real gateway reads them (polars), with errors that name the file."""
+    """The problems as the real gateway reads them (polars), with errors that name the file. Rows the real
+    gateway would answer under a null or empty id are refused with their lines (the same rule as
+    `make kaggle`'s check, server.problems.check_blank_rows), so no such id reaches submission.parquet."""
     import polars as pl
 
-    from server.problems import read_csv_text
+    from server.problems import check_blank_rows, csv_rows, read_csv_text
 
     text = read_csv_text(path)  # not UTF-8: the file, line and byte
     try:
@@ -46,6 +50,16 @@ def read_frame(path: Path) -> Any:
         raise GatewayError(f"{path}: needs the columns id (first) and problem (got {frame.columns})")
     if frame.height == 0:
         raise GatewayError(f"{path}: no problems")
+    _, rows = csv_rows(text)
+    try:
+        check_blank_rows(path, rows)
+    except ValueError as e:
+        raise GatewayError(str(e)) from None
+    ids = frame["id"].cast(pl.String)
+    empty = (ids.is_null() | (ids.str.strip_chars() == "")).arg_true().to_list()
+    if empty:
+        lines = [str(rows[i][0]) if len(rows) == frame.height else f"row {i + 1}" for i in empty]
+        raise GatewayError(f"{path}: line {', '.join(lines)}: empty id (the gateway would submit the answer under it)")
     return frame
 
 

@@ -180,10 +180,32 @@ def trtllm_wheel_set(folder: Optional[Path]) -> list[Path]:
 
 
 DATASET_NAME = re.compile(r"[a-z0-9][a-z0-9-]{1,48}[a-z0-9]")  # a Kaggle dataset slug
+# The Python of Kaggle's notebook image, which the binary wheels must match (KAGGLE_PYTHON overrides it
+# for another image); the notebook installs them with `pip --no-index`, so a mismatch cannot be fixed there.
+KAGGLE_PYTHON = "3.11"
+PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")  # Kaggle: x86-64 Linux
+
+
+def python_tag(version: str) -> str:
+    """'3.11' -> 'cp311' (the CPython ABI the wheels are fetched for); ValueError naming a malformed value."""
+    m = re.fullmatch(r"3\.(0|[1-9][0-9]?)", str(version))
+    if not m:
+        raise ValueError(f"python version {version!r}: use 3.MINOR, e.g. {KAGGLE_PYTHON}, the Python "
+                         "of Kaggle's image (KAGGLE_PYTHON / --python-version)")
+    return f"cp3{m.group(1)}"
+
+
+def download_command(pinned: list[str], dest: Path, python_version: str = KAGGLE_PYTHON) -> list[str]:
+    """`pip download` of the pinned wheels for Kaggle's interpreter rather than this one: binary wheels only,
+    for `python_version`'s CPython ABI on x86-64 Linux, without resolving again (the pins are complete)."""
+    tag = python_tag(python_version)
+    return [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+            "--python-version", python_version, "--implementation", "cp", "--abi", tag,
+            *(a for p in PLATFORMS for a in ("--platform", p)), "-d", str(dest), *pinned]
 
 
 def build(engine_dir: Path, out: Path, problems_csv: Path, wheels: str = "project", dataset_name: str = "aimo-trt",
-          problems: int = 50, competition: str = "aimo3", python_version: str = "3.11",
+          problems: int = 50, competition: str = "aimo3", python_version: str = KAGGLE_PYTHON,
           trtllm_wheels: Optional[Path] = None, answer_range: Optional[int] = None) -> dict:
     """Write the dataset folder `out` (its name on Kaggle: `dataset_name`); checks first, so a bad input
     leaves nothing half-written."""
@@ -194,6 +216,7 @@ def build(engine_dir: Path, out: Path, problems_csv: Path, wheels: str = "projec
         raise ValueError(f"dataset name {dataset_name!r}: use 3-50 lowercase letters, digits and '-' (Kaggle's slug)")
     if competition not in COMPETITIONS:
         raise ValueError(f"competition {competition!r}: one of {', '.join(COMPETITIONS)}")
+    python_tag(python_version)
     trtllm = check_engine_folder(engine_dir).get("backend") == "trtllm"
     read_problems(problems_csv)  # a CSV the gateway could not read fails here, with its line
     trt_set = trtllm_wheel_set(trtllm_wheels) if trtllm else []
@@ -207,10 +230,7 @@ def build(engine_dir: Path, out: Path, problems_csv: Path, wheels: str = "projec
     pinned: list[str] = []
     if wheels == "runtime":
         pinned = runtime_requirements()
-        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
-                        "--python-version", python_version, "--platform", "manylinux_2_28_x86_64",
-                        "--platform", "manylinux_2_17_x86_64", "--platform", "manylinux2014_x86_64",
-                        "-d", str(out / "wheels"), *pinned], check=True)
+        subprocess.run(download_command(pinned, out / "wheels", python_version), check=True)
     if trt_set:
         (out / "wheels" / TRTLLM_WHEELS_DIR).mkdir()
         for w in trt_set:
@@ -221,7 +241,7 @@ def build(engine_dir: Path, out: Path, problems_csv: Path, wheels: str = "projec
                                                    indent=1) + "\n")
     info = {"project": "aimo-trt", "dataset": dataset_name, "answer_range": answer_range, "wheels": sorted(p.name for p in (out / "wheels").glob("*.whl")), "pinned": pinned, "mode": wheels,
             "backend": "trtllm" if trtllm else "embedded", "trtllm_wheels": [w.name for w in trt_set],
-            "engine": str(engine_dir), "competition": competition, "size_bytes": sum(
+            "engine": str(engine_dir), "competition": competition, "python": python_version, "size_bytes": sum(
                 p.stat().st_size for p in out.rglob("*") if p.is_file())}
     (out / "dataset.json").write_text(json.dumps(info, indent=2) + "\n")
     return info
@@ -240,6 +260,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="auto: the trtllm engine when one was built, else the embedded one")
     ap.add_argument("--trtllm-wheels", type=Path, default=None,
                     help="folder with the TensorRT-LLM 1.2.x wheel set (needed for a trtllm engine)")
+    ap.add_argument("--python-version", default=KAGGLE_PYTHON,
+                    help=f"the Python of the Kaggle image the wheels are for (default {KAGGLE_PYTHON}, Kaggle's)")
     args = ap.parse_args(argv)
     from server.engine_check import EngineFolderError
     from trtbuild.core.recipe import RecipeError, load_recipe
@@ -249,12 +271,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         kind = args.backend
         if kind == "auto":
             kind = "trtllm" if recipe.layout.has_engine("trtllm") else "embedded"
+        python_tag(args.python_version)  # before any packaging work
         if kind == "trtllm":
-            trtllm_wheel_set(args.trtllm_wheels)  # before any packaging work
+            trtllm_wheel_set(args.trtllm_wheels)
         out = args.out or recipe.layout.kaggle
         competition = args.competition or recipe.kaggle.competition
         info = build(recipe.layout.engine(kind), out, args.problems, args.wheels, dataset_name=args.dataset_name,
-                     competition=competition, trtllm_wheels=args.trtllm_wheels,
+                     competition=competition, python_version=args.python_version, trtllm_wheels=args.trtllm_wheels,
                      answer_range=recipe.kaggle.answer_range or None)
     except (RecipeError, EngineFolderError, FileNotFoundError, ValueError, subprocess.CalledProcessError) as e:
         print(f"kaggle: {e}", file=sys.stderr)

@@ -5,6 +5,7 @@
   local gateway, which would write a submission nobody reads.
 - Otherwise the competition's `run_local_gateway((csv,))` when `kaggle_evaluation` imports (it is
   looked for under /kaggle/input too), else this project's local gateway (server/kaggle/gateway.py).
+- The competition's server is given `predict` as a plain function named `predict` (see as_listener).
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ import glob
 import importlib
 import os
 import sys
+import types
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from server.kaggle.competitions import RERUN_ENV, competition
+from server.kaggle.gateway import read_frame, run
 
 KAGGLE_INPUT = os.environ.get("AIMO_KAGGLE_INPUT", "/kaggle/input")  # where Kaggle mounts data (tests move it)
 
@@ -49,6 +52,18 @@ def import_server(name: str) -> Any:
         raise ImportError(f"{comp.server_module} has no {comp.server_class}: {e}") from None
 
 
+def as_listener(fn: Callable) -> Callable:
+    """`fn` as the competition's server takes it: AIMO-3's accepts only a plain function (a bound method, a
+    functools.partial or a callable object is a ValueError) and both key it by its name, which the gateway
+    calls as `predict`; anything else is wrapped in such a function."""
+    if isinstance(fn, types.FunctionType) and fn.__name__ == "predict":
+        return fn
+
+    def predict(*row: Any) -> Any:
+        return fn(*row)
+    return predict
+
+
 def serve(predict: Callable, problems_csv: Optional[str] = None, out: str = "/kaggle/working",
           competition: str = "aimo3", started_at: Optional[float] = None, log: Callable[[str], None] = print
           ) -> Optional[dict]:
@@ -64,16 +79,15 @@ def serve(predict: Callable, problems_csv: Optional[str] = None, out: str = "/ka
         server_cls = None
         log(f"[kaggle] no kaggle_evaluation ({e}); running this project's local gateway")
     if server_cls is not None:
-        server = server_cls(predict)
+        server = server_cls(as_listener(predict))
         if rerun:
             server.serve()
         else:
             if not problems_csv:
                 raise FileNotFoundError("the competition's local gateway needs a problems CSV")
+            read_frame(Path(problems_csv))  # refused as our gateway refuses it: no null id in the submission
             server.run_local_gateway((str(problems_csv),))
         return None
-    from server.kaggle.gateway import run
-
     if not problems_csv:
         raise FileNotFoundError("no kaggle_evaluation module and no problems CSV for the local gateway")
     return run(predict, Path(problems_csv), Path(out), competition=competition, started_at=started_at)

@@ -1,5 +1,10 @@
 """The double's gateway, relay and inference server, derived from tests/upstream/kaggle_evaluation.json.
 
+It plays the core of the competition it serves (`FACTS["cores"]`): AIMO-2's package 0.3.0 or AIMO-3's
+0.9.0. They differ in what listeners they take (any callable / plain functions only), the ports the
+server may bind (50051 / 50051 then 60053-60062), the ids (compared with the gateway's / overwritten
+by them), and the error a late answer gets (SERVER_CONNECTION_FAILED / GRPC_DEADLINE_EXCEEDED).
+
 Environment knobs (test-only): KAGGLE_DOUBLE_SEED (shuffle seed, default random like upstream),
 KAGGLE_DOUBLE_TEST_CSV (the problems `serve()` runs under KAGGLE_IS_COMPETITION_RERUN, standing in
 for the gateway's own container), KAGGLE_DOUBLE_TIMEOUT (replaces the per-answer deadline).
@@ -13,7 +18,9 @@ import enum
 import io
 import json
 import os
+import socket
 import time
+import types
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -27,7 +34,7 @@ SINT64 = (-(2 ** 63), 2 ** 63 - 1)
 
 
 class ErrorType(enum.Enum):
-    """The upstream allow-list of error kinds, by name, in the recorded order."""
+    """The upstream allow-list of error kinds, by name, in the recorded order (AIMO-3's core added the last)."""
 
     UNSPECIFIED = 0
     SERVER_NEVER_STARTED = 1
@@ -36,9 +43,11 @@ class ErrorType(enum.Enum):
     SERVER_MISSING_ENDPOINT = 4
     GATEWAY_RAISED_EXCEPTION = 5
     INVALID_SUBMISSION = 6
+    GRPC_DEADLINE_EXCEEDED = 7
 
 
-assert [e.name for e in ErrorType] == FACTS["error_types"]
+NAMES = [e.name for e in ErrorType]
+assert NAMES == FACTS["cores"]["aimo3"]["error_types"] and NAMES[:7] == FACTS["cores"]["aimo2"]["error_types"]
 
 
 class GatewayRuntimeError(Exception):
@@ -106,18 +115,43 @@ def decode(kind: str, data: Any) -> Any:
     raise TypeError(f"unknown payload {kind}")
 
 
+def port_is_free(port: int) -> bool:
+    """Upstream's probe (AIMO-3): a test bind on localhost, released at once."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("localhost", port))
+        except OSError:
+            return False
+    return True
+
+
+def server_port(competition: str) -> int:
+    """The port the competition's server would bind: AIMO-2 always its one port; AIMO-3 the first free one of
+    its list, or a ValueError naming them all (the double binds nothing: no gRPC here)."""
+    ports = FACTS["cores"][competition]["ports"]
+    if len(ports) == 1:
+        return ports[0]
+    for port in ports:
+        if port_is_free(port):
+            return port
+    raise ValueError(f"None of the expected ports {ports} are available.")
+
+
 class Relay:
     """Client and server halves in one process: the server runs listeners on one thread."""
 
-    def __init__(self, listeners: tuple[Callable, ...]):
+    def __init__(self, listeners: tuple[Callable, ...], competition: str):
         if not listeners:
             raise ValueError("Must pass at least one endpoint listener, e.g. `predict`")
+        functions_only = FACTS["cores"][competition]["listeners"]["rule"] == "function"
         for f in listeners:
-            if not callable(f):
-                raise ValueError("Endpoint listeners passed to `serve` must be functions")
-            if f.__name__ == "<lambda>":
+            if not (isinstance(f, types.FunctionType) if functions_only else callable(f)):
+                raise ValueError(f"Endpoint listeners passed to `serve` must be functions, got {type(f)}")
+            if f.__name__ == "<lambda>":  # AIMO-2: a functools.partial has no __name__ (AttributeError)
                 raise ValueError("Functions passed as endpoint listeners must be named")
         self.listeners = {f.__name__: f for f in listeners}
+        self.competition = competition
+        self.port = server_port(competition)
         self.pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self.deadline: float = float(FACTS["timeouts"]["default_deadline_seconds"])
         self.connected = False
@@ -144,8 +178,9 @@ class Relay:
         try:
             return decode(*future.result(timeout=timeout))
         except concurrent.futures.TimeoutError:
-            raise GatewayRuntimeError(ErrorType.SERVER_CONNECTION_FAILED,
-                                      f"Deadline Exceeded after {timeout:.0f}s") from None
+            kind = ErrorType[FACTS["cores"][self.competition]["deadline_error"]]
+            details = f"Deadline Exceeded after {timeout:.0f}s" if kind is ErrorType.SERVER_CONNECTION_FAILED else None
+            raise GatewayRuntimeError(kind, details) from None
         except NotImplementedError as e:
             raise GatewayRuntimeError(ErrorType.SERVER_MISSING_ENDPOINT, str(e)) from None
         except Exception as e:  # what the user's predict (or the serialisation of its answer) raised
@@ -159,7 +194,9 @@ class Gateway:
         self.test_path = data_paths[0] if data_paths else FACTS["rerun"]["default_test_path"][competition]
         timeout = os.environ.get("KAGGLE_DOUBLE_TIMEOUT")
         relay.deadline = float(timeout) if timeout else float(FACTS["timeouts"]["response_timeout_seconds"][competition])
-        self.report: dict[str, Any] = {"competition": competition, "calls": [], "deadline_seconds": relay.deadline}
+        self.rules = FACTS["cores"][competition]
+        self.report: dict[str, Any] = {"competition": competition, "core": self.rules["package_version"],
+                                       "port": relay.port, "calls": [], "deadline_seconds": relay.deadline}
 
     def batches(self):
         import polars as pl
@@ -171,12 +208,13 @@ class Gateway:
         for row in test.iter_slices(n_rows=1):
             yield row, row.select("id")
 
-    @staticmethod
-    def validate(prediction: Any, expected: Any) -> None:
+    def validate(self, prediction: Any, expected: Any) -> None:
         import polars as pl
 
         if prediction is None:
             raise GatewayRuntimeError(ErrorType.INVALID_SUBMISSION, "No prediction received")
+        if self.rules["id_rule"] == "overwrite":
+            return self.validate_rows_only(prediction, expected)
         if len(prediction) != len(expected):
             raise GatewayRuntimeError(ErrorType.INVALID_SUBMISSION,
                                       f"Invalid predictions: expected {len(expected)} rows but received {len(prediction)}")
@@ -186,18 +224,45 @@ class Gateway:
         if not pl.Series(prediction[col]).equals(pl.Series(expected[col])):
             raise GatewayRuntimeError(ErrorType.INVALID_SUBMISSION, f"Invalid values for {col} in batch of predictions.")
 
-    def write_submission(self, predictions: list) -> None:
+    @staticmethod
+    def validate_rows_only(prediction: Any, expected: Any) -> None:
+        """AIMO-3: a primitive counts as one row, else a DataFrame/Series of the batch's row count; no id check."""
+        import numpy as np
+        import pandas as pd
         import polars as pl
 
+        if isinstance(prediction, (int, float, str, bool, np.int_)):
+            rows = 1
+        elif isinstance(prediction, (pl.DataFrame, pl.Series, pd.DataFrame, pd.Series)):
+            rows = len(prediction)
+        else:
+            raise GatewayRuntimeError(ErrorType.INVALID_SUBMISSION,
+                                      f"Invalid prediction data type, received: {type(prediction)}")
+        if rows != len(expected):
+            raise GatewayRuntimeError(ErrorType.INVALID_SUBMISSION,
+                                      f"Invalid predictions: expected {len(expected)} rows but received {rows}")
+
+    def write_submission(self, predictions: list, row_ids: list) -> None:
+        import polars as pl
+
+        frames = [p.to_frame() if isinstance(p, pl.Series) and p.name else p for p in predictions]
+        if not all(isinstance(p, pl.DataFrame) for p in frames):  # AIMO-3 lets primitives this far
+            raise GatewayRuntimeError(ErrorType.GATEWAY_RAISED_EXCEPTION, "scalar or unnamed predictions need a "
+                                      "target column name, which the gateway does not set")
         try:
-            pl.concat(predictions, how="vertical_relaxed").write_parquet("submission.parquet")
+            submission = pl.concat(frames, how="vertical_relaxed")
         except (pl.exceptions.SchemaError, pl.exceptions.ComputeError) as e:
             raise GatewayRuntimeError(ErrorType.INVALID_SUBMISSION, f"Inconsistent predictions: {e}") from None
+        if self.rules["id_rule"] == "overwrite":  # the gateway's own ids replace (or add) the id column, first
+            ids = pl.concat(row_ids)
+            submission = submission.with_columns(ids).select(
+                ids.columns + [c for c in submission.columns if c not in ids.columns])
+        submission.write_parquet("submission.parquet")
 
     def run(self, rerun: bool) -> None:
         error: Optional[GatewayRuntimeError] = None
         try:
-            predictions = []
+            predictions, row_ids = [], []
             for batch, expected in self.batches():
                 t = time.time()
                 self.report["calls"].append({"started_after_import": round(t - kaggle_evaluation.IMPORTED_AT, 2),
@@ -206,7 +271,8 @@ class Gateway:
                 self.report["calls"][-1]["seconds"] = round(time.time() - t, 2)
                 self.validate(prediction, expected)
                 predictions.append(prediction)
-            self.write_submission(predictions)
+                row_ids.append(expected)
+            self.write_submission(predictions, row_ids)
         except GatewayRuntimeError as e:
             error = e
         except Exception as e:  # noqa: BLE001 - upstream maps any other failure to GATEWAY_RAISED_EXCEPTION
@@ -229,7 +295,7 @@ class InferenceServer:
     competition = "aimo3"
 
     def __init__(self, *listeners: Callable):
-        self.relay = Relay(listeners)
+        self.relay = Relay(listeners, self.competition)
         self.startup_warning = False
 
     def _warn_late_start(self) -> None:
