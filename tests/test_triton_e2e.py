@@ -234,3 +234,83 @@ def test_server_killed_mid_request_then_restarted(tiny_models, tmp_path):
         eng.shutdown()
     finally:
         srv.kill()
+
+
+def stream_infer(server: Server, values: dict, timeout: float = 60.0) -> tuple[list, list[str]]:
+    """One decoupled request with exactly these inputs, as a plain tritonclient user sends it: the
+    responses' outputs, and the error messages the server sent back."""
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    from server.triton.interface import INPUTS
+
+    types = {f.name: f.triton_type for f in INPUTS}
+    inputs = []
+    for name, arr in values.items():
+        x = grpcclient.InferInput(name, list(arr.shape), types[name])
+        x.set_data_from_numpy(arr)
+        inputs.append(x)
+    got: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.url)
+    client.start_stream(callback=lambda result, error: got.put((result, error)))
+    try:
+        client.async_stream_infer("ensemble", inputs, enable_empty_final_response=True)
+        outputs, errors = [], []
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            result, error = got.get(timeout=max(0.1, deadline - time.monotonic()))
+            if error is not None:
+                errors.append(str(error))
+                break
+            response = result.get_response()
+            if response.parameters.get("triton_final_response") and response.parameters["triton_final_response"].bool_param:
+                break
+            outputs.append(result)
+        return outputs, errors
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def test_the_documented_ensemble_inputs_alone_are_served(server):
+    """text_input and max_tokens only (tensorrtllm_backend's ensemble interface): text comes back, and
+    as many tokens as asked at most; the optional sampling and stop inputs are taken too."""
+    import numpy as np
+
+    outputs, errors = stream_infer(server, {"text_input": np.array([b"What is 2 + 2?"], dtype=object),
+                                            "max_tokens": np.array([5], dtype=np.int32)})
+    assert not errors, errors
+    text = b"".join(o.as_numpy("text_output")[0] for o in outputs if o.as_numpy("text_output") is not None)
+    ids = [int(t) for o in outputs if o.as_numpy("token_ids") is not None for t in o.as_numpy("token_ids")]
+    assert text and 1 <= len(ids) <= 5
+    outputs, errors = stream_infer(server, {
+        "text_input": np.array([b"Count:"], dtype=object), "max_tokens": np.array([6], dtype=np.int32),
+        "temperature": np.array([0.7], dtype=np.float32), "top_p": np.array([0.9], dtype=np.float32),
+        "top_k": np.array([20], dtype=np.int32), "seed": np.array([7], dtype=np.uint64),
+        "stop_words": np.array([b"\n\n"], dtype=object), "stream": np.array([False])})
+    assert not errors, errors
+    assert outputs[-1].as_numpy("finish_reason")[0].decode() in ("stop", "length")
+
+
+@pytest.mark.parametrize("missing", ["max_tokens", "text_input"])
+def test_a_request_missing_a_required_input_is_refused_by_name(server, missing):
+    import numpy as np
+
+    values = {"text_input": np.array([b"hello"], dtype=object), "max_tokens": np.array([4], dtype=np.int32)}
+    del values[missing]
+    outputs, errors = stream_infer(server, values)
+    assert errors and f"'{missing}'" in errors[0] and "required" in errors[0], (outputs, errors)
+    # the server is still serving
+    outputs, errors = stream_infer(server, {"text_input": np.array([b"hi"], dtype=object),
+                                            "max_tokens": np.array([2], dtype=np.int32)})
+    assert not errors and outputs
+
+
+def test_nan_temperature_is_refused_by_name(server):
+    import numpy as np
+
+    outputs, errors = stream_infer(server, {"text_input": np.array([b"hi"], dtype=object),
+                                            "max_tokens": np.array([2], dtype=np.int32),
+                                            "temperature": np.array([np.nan], dtype=np.float32)})
+    assert errors and "'temperature'" in errors[0], (outputs, errors)

@@ -28,9 +28,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import math
+import re
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Callable, Optional
 
@@ -38,6 +42,10 @@ from server.protocol import Delta, Final, Request, SamplingParams
 
 MAX_LOGPROBS = 20
 MAX_N = 128
+MAX_REQUEST_BYTES = 8 << 20  # default body limit (413 above it); `make serve` --max-request-bytes changes it
+CHAT_ROLES = ("system", "developer", "user", "assistant")  # developer is OpenAI's newer name for system
+_SURROGATE = re.compile("[\ud800-\udfff]")
+log = logging.getLogger("server.openai")
 ENGINE_LOGPROBS = 20  # asked of the engine whenever logprobs are wanted, so the sampled token is nearly always among them
 
 
@@ -63,6 +71,8 @@ def _number(body: dict, name: str, default: Any, lo: Optional[float] = None, hi:
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)):
         raise ApiError(400, f"{name} must be {'an integer' if integer else 'a number'} (got {v!r})", name)
+    if isinstance(v, float) and not math.isfinite(v):
+        raise ApiError(400, f"{name} must be a finite number (got {v!r})", name)
     if lo is not None and (v <= lo if lo_open else v < lo) or hi is not None and v > hi:
         rng = f"{'>' if lo_open else '>='} {lo}" if hi is None else f"in {'(' if lo_open else '['}{lo}, {hi}]"
         raise ApiError(400, f"{name} must be {rng} (got {v!r})", name)
@@ -94,6 +104,42 @@ def _stops(body: dict) -> tuple[str, ...]:
     if any(not s for s in items):
         raise ApiError(400, "stop: stop strings must not be empty", "stop")
     return tuple(items)
+
+
+def invalid_text(obj: Any, path: str = "") -> Optional[tuple[str, int]]:
+    """(where, character index) of the first lone surrogate in any string or key of a parsed JSON
+    body (`"\\ud800"` escapes parse to one, and no tokenizer or UTF-8 encoder takes it); None if none."""
+    stack: list[tuple[Any, str]] = [(obj, path)]
+    while stack:
+        o, where = stack.pop()
+        if isinstance(o, str):
+            m = _SURROGATE.search(o)
+            if m:
+                return where or "body", m.start()
+        elif isinstance(o, dict):
+            for k, v in o.items():
+                if isinstance(k, str) and _SURROGATE.search(k):
+                    return f"{where}.{k!r}" if where else repr(k), 0
+                stack.append((v, f"{where}.{k}" if where else str(k)))
+        elif isinstance(o, list):
+            stack.extend((v, f"{where}[{i}]") for i, v in enumerate(o))
+    return None
+
+
+def parse_body(raw: bytes) -> dict:
+    """The JSON object of a request body, or a 400 that says what is wrong (and where)."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise ApiError(400, f"the request body is not valid JSON ({type(e).__name__}: {e})"[:500]) from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    bad = invalid_text(body)
+    if bad:
+        where, i = bad
+        param = where.split(".")[0].split("[")[0] if where != "body" else None
+        raise ApiError(400, f"{where}: not valid Unicode text (a lone surrogate at character {i})", param or where)
+    return body
 
 
 @dataclass
@@ -139,6 +185,31 @@ class Api:
         self.generated_tokens = 0
         self.prompt_tokens = 0
         self._token_text: dict[int, str] = {}
+        # no token spans more characters than the longest vocabulary entry (byte-level and sentencepiece
+        # vocabularies hold at least one character per byte); 4x covers normalisers that merge characters.
+        # A text longer than max_input_len tokens of that size is refused before it is tokenized.
+        vocab = self.tokenizer.get_vocab() if hasattr(self.tokenizer, "get_vocab") else {}
+        self.max_chars_per_token = 4 * max((len(t) for t in vocab), default=64)
+        # parsing, chat templating and tokenizing run here, one at a time (a tokenizer is not safe to share
+        # between threads), never on the event loop: a 5 MB prompt must not stall every other client
+        self._parser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="openai-parse")
+
+    async def parse(self, raw: bytes, chat: bool) -> "Job":
+        """The validated Job of a request body, parsed and tokenized off the event loop."""
+        def work() -> Job:
+            body = parse_body(raw)
+            return self.parse_chat(body) if chat else self.parse_completion(body)
+        return await asyncio.get_running_loop().run_in_executor(self._parser, work)
+
+    def _check_length(self, chars: int, where: str) -> None:
+        """Refuse, untokenized, a text that cannot fit max_input_len tokens (see max_chars_per_token)."""
+        if self.max_input_len and chars > self.max_input_len * self.max_chars_per_token:
+            raise ApiError(400, f"{where}: the prompt has {chars} characters, more than this engine's limit of "
+                                f"{self.max_input_len} tokens (max_input_len) can hold", where,
+                           code="context_length_exceeded")
+
+    def close(self) -> None:
+        self._parser.shutdown(wait=False, cancel_futures=True)
 
     # ---- parsing
     def _common(self, body: dict, kind: str, prompts: list[list[int]], prompt_field: str) -> Job:
@@ -163,13 +234,20 @@ class Api:
             if limit is not None and len(ids) > limit:
                 raise ApiError(400, f"{prompt_field}: the prompt has {len(ids)} tokens, over this engine's limit of "
                                     f"{limit} (max_input_len)", prompt_field, code="context_length_exceeded")
-        if kind == "chat":
-            max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-            name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-            room = (self.max_seq_len - max(len(p) for p in prompts)) if self.max_seq_len else 4096
-            max_tokens = _number({name: max_tokens}, name, max(1, room), 1, integer=True)
-        else:
-            max_tokens = _number(body, "max_tokens", 16, 1, integer=True)
+        longest = max(len(p) for p in prompts)
+        room = (self.max_seq_len - longest) if self.max_seq_len else None
+        if room is not None and room < 1:
+            raise ApiError(400, f"This model's maximum context length is {self.max_seq_len} tokens; the prompt has "
+                                f"{longest}, which leaves no room for a completion", prompt_field,
+                           code="context_length_exceeded")
+        name = "max_completion_tokens" if kind == "chat" and body.get("max_completion_tokens") is not None else "max_tokens"
+        asked = body.get(name)
+        default = (room if room is not None else 4096) if kind == "chat" else min(16, room or 16)
+        max_tokens = _number({name: asked}, name, default, 1, integer=True)
+        if asked is not None and room is not None and max_tokens > room:
+            raise ApiError(400, f"This model's maximum context length is {self.max_seq_len} tokens; the prompt has "
+                                f"{longest} and {name} asks for {max_tokens} more ({longest + max_tokens} in all). "
+                                f"Ask for at most {room}.", name, code="context_length_exceeded")
         stream = _flag(body, "stream")
         opts = body.get("stream_options")
         if opts is not None and (not isinstance(opts, dict) or not stream):
@@ -204,6 +282,9 @@ class Api:
         _unsupported(body, "echo", lambda v: v is False, "the prompt is not echoed")
         _unsupported(body, "suffix", lambda v: not v, "no insertion")
         prompt = body.get("prompt")
+        for x in [prompt] if isinstance(prompt, str) else prompt if isinstance(prompt, list) else []:
+            if isinstance(x, str):
+                self._check_length(len(x), "prompt")
         if isinstance(prompt, str):
             prompts = [self.engine.tokenize(prompt)]
         elif isinstance(prompt, list) and prompt and all(isinstance(x, int) and not isinstance(x, bool) for x in prompt):
@@ -233,6 +314,9 @@ class Api:
         for i, m in enumerate(msgs):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise ApiError(400, f"messages[{i}] must be an object with a role", f"messages[{i}].role")
+            if m["role"] not in CHAT_ROLES:
+                raise ApiError(400, f"messages[{i}].role: {m['role']!r}"[:200] + f" is not one of {', '.join(CHAT_ROLES)}",
+                               f"messages[{i}].role")
             c = m.get("content")
             if isinstance(c, list):
                 if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
@@ -244,7 +328,8 @@ class Api:
             elif not isinstance(c, str):
                 raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts",
                                f"messages[{i}].content")
-            clean.append({"role": m["role"], "content": c})
+            clean.append({"role": "system" if m["role"] == "developer" else m["role"], "content": c})
+        self._check_length(sum(len(m["content"]) for m in clean), "messages")
         try:
             text = self.tokenizer.apply_chat_template(clean, tokenize=False, add_generation_prompt=True)
         except Exception as e:  # noqa: BLE001 - a template that rejects these messages (roles, order)
@@ -515,12 +600,16 @@ class State:
     async def close(self) -> None:
         self._thread.join(timeout=600)
         if self.api is not None:
+            self.api.close()
             await self.api.engine.close()
 
 
 def create_app(load: Callable[[], Any], model_name: str,
-               on_failure: Optional[Callable[[BaseException], None]] = None) -> Any:
-    """The Starlette app; `load` opens the engine (run in a thread at startup); `app.state.serving` is the State."""
+               on_failure: Optional[Callable[[BaseException], None]] = None,
+               max_request_bytes: int = MAX_REQUEST_BYTES) -> Any:
+    """The Starlette app; `load` opens the engine (run in a thread at startup); `app.state.serving` is the State.
+    Bodies over `max_request_bytes` get a 413 before they are read; every failure is an OpenAI-shaped
+    JSON error (a server fault: 500, logged with its request id, also sent as `x-request-id`)."""
     from contextlib import asynccontextmanager
 
     from starlette.applications import Starlette
@@ -530,32 +619,65 @@ def create_app(load: Callable[[], Any], model_name: str,
 
     state = State(load, model_name, on_failure)
 
-    def error(e: ApiError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+    def error(e: ApiError, rid: str = "") -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status, headers={"x-request-id": rid} if rid else None)
 
-    async def body_of(request: HttpRequest) -> dict:
-        try:
-            body = json.loads(await request.body())
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"the request body is not valid JSON ({e})") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "the request body must be a JSON object")
-        return body
+    async def read_body(request: HttpRequest) -> bytes:
+        """The body, refused with 413 once it is known to pass the limit (from Content-Length, before
+        reading; else while reading)."""
+        declared = request.headers.get("content-length")
+        too_big = (f"the request body is over this server's limit of {max_request_bytes} bytes "
+                   "(set by `python -m server.openai.serve --max-request-bytes`)")
+        if declared is not None:
+            try:
+                size = int(declared)
+            except ValueError:
+                raise ApiError(400, f"Content-Length is not a number (got {declared[:40]!r})") from None
+            if size > max_request_bytes:
+                raise ApiError(413, f"{too_big}: Content-Length is {size}", code="request_too_large")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_request_bytes:
+                raise ApiError(413, too_big, code="request_too_large")
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     async def until_disconnect(request: HttpRequest) -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
 
-    async def generate(request: HttpRequest, chat: bool) -> Response:
+    def guarded(handler: Callable[[HttpRequest, str], Any]) -> Callable[[HttpRequest], Any]:
+        """Every route: ApiErrors as their JSON, anything else a logged JSON 500 with the request id."""
+        async def run(request: HttpRequest) -> Response:
+            rid = (request.headers.get("x-request-id") or uuid.uuid4().hex)[:64]
+            try:
+                return await handler(request, rid)
+            except ApiError as e:
+                return error(e, rid)
+            except Exception as e:  # noqa: BLE001 - a server fault: said in JSON, logged with the id
+                log.exception("request %s (%s %s) failed", rid, request.method, request.url.path)
+                return error(ApiError(500, f"internal server error ({type(e).__name__}); request id {rid}",
+                                      type_="server_error"), rid)
+        return run
+
+    async def safe_stream(api: Api, job: Job, rid: str) -> AsyncIterator[bytes]:
+        """The SSE stream; a fault after the headers went out ends it with an error event and [DONE]."""
         try:
-            api = state.serving()
-            body = await body_of(request)
-            job = api.parse_chat(body) if chat else api.parse_completion(body)
-        except ApiError as e:
-            return error(e)
+            async for chunk in api.stream(job):
+                yield chunk
+        except Exception as e:  # noqa: BLE001 - the status line is sent: the error goes in the stream
+            log.exception("request %s: stream failed", rid)
+            err = ApiError(500, f"internal server error ({type(e).__name__}); request id {rid}", type_="server_error")
+            yield f"data: {_dumps(err.body())}\n\ndata: [DONE]\n\n".encode()
+
+    async def generate(request: HttpRequest, rid: str, chat: bool) -> Response:
+        api = state.serving()
+        job = await api.parse(await read_body(request), chat)
         if job.stream:
-            return StreamingResponse(api.stream(job), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return StreamingResponse(safe_stream(api, job, rid), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                              "x-request-id": rid})
         work = asyncio.ensure_future(api.complete(job))
         gone = asyncio.ensure_future(until_disconnect(request))
         try:
@@ -566,22 +688,16 @@ def create_app(load: Callable[[], Any], model_name: str,
             work.cancel()
             await asyncio.gather(work, return_exceptions=True)
             return Response(status_code=499)
-        try:
-            return JSONResponse(work.result())
-        except ApiError as e:
-            return error(e)
+        return JSONResponse(work.result(), headers={"x-request-id": rid})
 
-    async def completions(request: HttpRequest) -> Response:
-        return await generate(request, chat=False)
+    async def completions(request: HttpRequest, rid: str) -> Response:
+        return await generate(request, rid, chat=False)
 
-    async def chat_completions(request: HttpRequest) -> Response:
-        return await generate(request, chat=True)
+    async def chat_completions(request: HttpRequest, rid: str) -> Response:
+        return await generate(request, rid, chat=True)
 
-    async def models(request: HttpRequest) -> Response:
-        try:
-            return JSONResponse(state.serving().models())
-        except ApiError as e:
-            return error(e)
+    async def models(request: HttpRequest, rid: str) -> Response:
+        return JSONResponse(state.serving().models())
 
     async def health(request: HttpRequest) -> Response:
         status = "draining" if state.draining else "ok" if state.api else "failed" if state.error else "loading"
@@ -603,9 +719,9 @@ def create_app(load: Callable[[], Any], model_name: str,
             await state.close()
 
     app = Starlette(routes=[
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/completions", guarded(completions), methods=["POST"]),
+        Route("/v1/chat/completions", guarded(chat_completions), methods=["POST"]),
+        Route("/v1/models", guarded(models), methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ], lifespan=lifespan)

@@ -93,6 +93,7 @@ def prefix_hashes(ids: Sequence[int]) -> list[int]:
 class Replica:
     url: str
     model: Optional[str] = None
+    max_model_len: Optional[int] = None  # the context /v1/models reports (vLLM, make serve): max_tokens is capped to it
     probed: bool = False
     ids_in: bool = True  # the prompt goes as token ids
     ids_out: str = ""  # return_token_ids | detokenize | "" (text re-tokenized)
@@ -214,12 +215,15 @@ class OpenAIEngine(EngineBase):
         r = await client.get(rep.url + "/models", headers=self._headers, timeout=10)
         if r.status_code != 200:
             raise ReplicaFailed(f"GET /v1/models: HTTP {r.status_code}: {error_message(r.content)}")
-        models = [m.get("id") for m in (r.json().get("data") or []) if isinstance(m, dict)]
+        listed = [m for m in (r.json().get("data") or []) if isinstance(m, dict)]
+        models = [m.get("id") for m in listed]
         if self.model and models and self.model not in models:
             raise RequestRejected(f"serves {models}, not {self.model!r}")
         if not (self.model or models):
             raise RequestRejected("lists no model (GET /v1/models)")
         rep.model = self.model or models[0]
+        length = next((m.get("max_model_len") for m in listed if m.get("id") == rep.model), None)
+        rep.max_model_len = length if isinstance(length, int) and not isinstance(length, bool) and length > 0 else None
         ids_in, ids_out = False, ""
         if self.token_ids == "auto":
             ids = self.tokenize("1 + 1 =")
@@ -391,7 +395,7 @@ class OpenAIEngine(EngineBase):
         p = s.params
         history = s.prompt + s.generated
         body: dict[str, Any] = {
-            "model": rep.model, "max_tokens": p.max_tokens - len(s.generated), "temperature": p.temperature,
+            "model": rep.model, "max_tokens": self._room(rep, s), "temperature": p.temperature,
             "top_p": p.top_p, "stream": True, "stream_options": {"include_usage": True},
             "prompt": history if rep.ids_in else self.tokenizer.decode(history, skip_special_tokens=False)}
         if p.seed is not None:
@@ -410,9 +414,19 @@ class OpenAIEngine(EngineBase):
             body["detokenize"] = False
         return body
 
+    @staticmethod
+    def _room(rep: Replica, s: RequestStream) -> int:
+        """Tokens left to ask for: the rest of max_tokens, within the replica's context (servers refuse
+        a prompt plus max_tokens over it, as vLLM and OpenAI do; the engines here end such a request at
+        the context, so capping keeps the same result)."""
+        left = s.params.max_tokens - len(s.generated)
+        if rep.max_model_len is not None:
+            left = min(left, rep.max_model_len - len(s.prompt) - len(s.generated))
+        return left
+
     async def _stream_once(self, rep: Replica, p: _Pending, first: bool) -> None:
         s = p.stream
-        if s.params.max_tokens - len(s.generated) <= 0:
+        if self._room(rep, s) <= 0:
             s.finish("length")
             return
         finish: Optional[str] = None

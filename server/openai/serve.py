@@ -62,6 +62,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--max-seq-len", type=int, default=None, help="override the engine's limit (embedded)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads of the embedded engine")
     ap.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    ap.add_argument("--max-request-bytes", type=int, default=None,
+                    help="refuse bodies over this size with 413 (default 8 MiB: a 128k-token prompt as JSON ids is ~1 MB)")
     args = ap.parse_args(argv)
     try:
         import uvicorn
@@ -85,7 +87,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         if server is not None:
             server.should_exit = True
 
-    app = create_app(load, name, on_failure)
+    from server.openai.app import MAX_REQUEST_BYTES
+
+    if args.max_request_bytes is not None and args.max_request_bytes < 1:
+        print(f"serve: --max-request-bytes must be >= 1 (got {args.max_request_bytes})", file=sys.stderr)
+        return 2
+    app = create_app(load, name, on_failure, max_request_bytes=args.max_request_bytes or MAX_REQUEST_BYTES)
     state = app.state.serving
 
     class Server(uvicorn.Server):

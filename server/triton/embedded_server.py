@@ -23,11 +23,28 @@ from typing import Any, AsyncIterator, Optional
 from server.triton.interface import INPUTS, KEY_PARAMETER, MODEL, OUTPUTS, STOP_PARAMETER
 
 
+class BadRequest(ValueError):
+    """A request the ensemble interface refuses; its message names the input (PyTriton sends it to the client)."""
+
+
 def _scalar(req: Any, name: str, default: Any = None) -> Any:
+    """The first element of input `name` as a Python value (BYTES inputs arrive as numpy object arrays of
+    `bytes`, which have no `.item()`); `default` when absent or empty."""
     if name not in req.data:
         return default
     v = req.data[name].reshape(-1)
-    return v[0].item() if v.size else default
+    if not v.size:
+        return default
+    x = v[0]
+    return x.item() if hasattr(x, "item") else x
+
+
+def _required(req: Any, name: str) -> Any:
+    v = _scalar(req, name)
+    if v is None:
+        raise BadRequest(f"input '{name}' is required (the ensemble's inputs: text_input and max_tokens; "
+                         "optional: stream, temperature, top_p, top_k, seed, stop_words, end_id, input_ids, top_logprobs)")
+    return v
 
 
 def _text(v: Any) -> str:
@@ -47,15 +64,24 @@ class Servable:
 
         from server.protocol import Request, SamplingParams
 
+        text = _text(_required(req, "text_input"))
+        max_tokens = int(_required(req, "max_tokens"))
+        if max_tokens < 1:
+            raise BadRequest(f"input 'max_tokens' must be >= 1 (got {max_tokens})")
         ids = req.data.get("input_ids")
-        prompt: Any = [int(i) for i in np.asarray(ids).reshape(-1)] if ids is not None and np.asarray(ids).size else \
-            _text(_scalar(req, "text_input", b""))
+        prompt: Any = [int(i) for i in np.asarray(ids).reshape(-1)] if ids is not None and np.asarray(ids).size else text
+        if not prompt:
+            raise BadRequest("input 'text_input' is empty (and no input_ids were given)")
         stops = tuple(_text(s) for s in np.asarray(req.data["stop_words"]).reshape(-1)) if "stop_words" in req.data else ()
         end_id = _scalar(req, "end_id")
+        temperature, top_p = float(_scalar(req, "temperature", 0.0)), float(_scalar(req, "top_p", 1.0) or 1.0)
+        for name, value, lo, hi in (("temperature", temperature, 0.0, 100.0), ("top_p", top_p, 0.0, 1.0)):
+            if not lo <= value <= hi:  # NaN fails both comparisons
+                raise BadRequest(f"input '{name}' must be in [{lo}, {hi}] (got {value})")
         params = SamplingParams(
-            temperature=float(_scalar(req, "temperature", 0.0)), top_p=float(_scalar(req, "top_p", 1.0) or 1.0),
+            temperature=temperature, top_p=top_p,
             top_k=int(_scalar(req, "top_k", 0)), seed=_scalar(req, "seed"),
-            max_tokens=max(1, int(_scalar(req, "max_tokens", 16))), stop=tuple(s for s in stops if s),
+            max_tokens=max_tokens, stop=tuple(s for s in stops if s),
             stop_token_ids=(int(end_id),) if end_id is not None and end_id >= 0 else (),
             top_logprobs=int(_scalar(req, "top_logprobs", 0)))
         return Request(prompt, params)

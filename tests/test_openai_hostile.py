@@ -1,0 +1,308 @@
+"""`make serve` under hostile input and load: every bad request gets an OpenAI-shaped 4xx naming what is
+wrong, a server fault a JSON 500 with its request id, nothing stalls the event loop, and a load of
+concurrent streams with disconnects ends with every request accounted for.
+
+The server is the real app under real uvicorn on loopback, over the real tiny engine; the checks are
+counts, statuses, error shapes and equalities, never how long something took on this machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("uvicorn")
+httpx2 = pytest.importorskip("httpx2")
+
+from openai_servers import ServerProcess, free_port, hang_guard  # noqa: E402,F401
+
+
+def wait_for(cond, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+class InProcessServer:
+    """create_app over an engine made by `make_engine`, served by uvicorn in a thread."""
+
+    def __init__(self, make_engine, **app_args):
+        import uvicorn
+
+        from server.openai.app import create_app
+
+        self.engine = None
+
+        def load():
+            self.engine = make_engine()
+            return self.engine
+        self.app = create_app(load, "tiny", **app_args)
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def api(self):
+        return self.app.state.serving.api
+
+    def __enter__(self) -> "InProcessServer":
+        self.thread.start()
+        assert wait_for(lambda: self.server.started and self.app.state.serving.api is not None, 90)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+def tiny_engine(tiny_models, **kw):
+    from server.embedded.engine import EmbeddedEngine
+
+    return EmbeddedEngine.from_dir(tiny_models["llama-tir"], max_batch_size=kw.pop("max_batch_size", 8),
+                                   max_seq_len=kw.pop("max_seq_len", 384), threads=1, **kw)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_models):
+    with InProcessServer(lambda: tiny_engine(tiny_models)) as srv:
+        yield srv
+
+
+def post_raw(base: str, path: str, body: bytes, **kw):
+    return httpx2.post(base + path, content=body, headers={"Content-Type": "application/json"}, timeout=60, **kw)
+
+
+def assert_openai_error(r, status: int, param=None, code=None):
+    assert r.status_code == status, (r.status_code, r.text[:500])
+    assert r.headers["content-type"].startswith("application/json"), r.headers
+    err = r.json()["error"]
+    assert set(err) >= {"message", "type", "param", "code"} and err["message"], err
+    if param is not None:
+        assert err["param"] == param, err
+    if code is not None:
+        assert err["code"] == code, err
+    return err
+
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+@pytest.mark.parametrize("field,literal", [("temperature", "NaN"), ("top_p", "NaN"), ("temperature", "Infinity"),
+                                           ("top_p", "-Infinity")])
+def test_non_finite_numbers_are_a_400_naming_the_field(served, path, field, literal):
+    head = '"messages":[{"role":"user","content":"hi"}]' if path == CHAT else '"prompt":"hi"'
+    r = post_raw(served.base, path, f'{{{head},"max_tokens":2,"{field}":{literal}}}'.encode())
+    assert "finite" in assert_openai_error(r, 400, field)["message"]
+
+
+@pytest.mark.parametrize("path,body,param", [
+    (CHAT, b'{"messages":[{"role":"user","content":"a\\ud800b"}],"max_tokens":2}', "messages"),
+    (CHAT, b'{"messages":[{"role":"user","content":[{"type":"text","text":"\\udfff"}]}],"max_tokens":2}', "messages"),
+    (COMPLETIONS, b'{"prompt":"x\\udc80","max_tokens":2}', "prompt"),
+    (COMPLETIONS, b'{"prompt":["ok","\\ud83d"],"max_tokens":2}', "prompt"),
+    (COMPLETIONS, b'{"prompt":"ok","stop":["\\ud800"],"max_tokens":2}', "stop"),
+])
+def test_text_that_is_not_unicode_is_a_400(served, path, body, param):
+    err = assert_openai_error(post_raw(served.base, path, body), 400, param)
+    assert "surrogate" in err["message"]
+
+
+@pytest.mark.parametrize("role", ["wizard", "", "USER", "tool", "function"])
+def test_unknown_roles_are_a_400(served, role):
+    body = json.dumps({"messages": [{"role": role, "content": "hi"}], "max_tokens": 2}).encode()
+    err = assert_openai_error(post_raw(served.base, CHAT, body), 400, "messages[0].role")
+    assert "system, developer, user, assistant" in err["message"]
+
+
+def test_developer_is_a_system_message(served):
+    r = post_raw(served.base, CHAT, json.dumps({"messages": [{"role": "developer", "content": "Be brief."},
+                                                             {"role": "user", "content": "hi"}],
+                                                "max_tokens": 2, "temperature": 0}).encode())
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("path,field", [(CHAT, "max_tokens"), (CHAT, "max_completion_tokens"),
+                                        (COMPLETIONS, "max_tokens")])
+def test_max_tokens_beyond_the_context_is_a_400_with_both_numbers(served, path, field):
+    head = {"messages": [{"role": "user", "content": "hi"}]} if path == CHAT else {"prompt": "hi"}
+    r = post_raw(served.base, path, json.dumps({**head, field: 1_000_000_000}).encode())
+    err = assert_openai_error(r, 400, field, "context_length_exceeded")
+    assert "384" in err["message"] and "1000000000" in err["message"], err  # the context and the ask
+
+
+def test_a_prompt_that_fills_the_context_is_refused_and_one_that_fits_is_served(served):
+    prompt = [5] * 383
+    r = post_raw(served.base, COMPLETIONS, json.dumps({"prompt": prompt, "max_tokens": 1, "temperature": 0}).encode())
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
+    r = post_raw(served.base, COMPLETIONS, json.dumps({"prompt": prompt, "max_tokens": 2}).encode())
+    assert_openai_error(r, 400, "max_tokens", "context_length_exceeded")
+    # the default max_tokens of a completion fits what is left instead of being refused
+    r = post_raw(served.base, COMPLETIONS, json.dumps({"prompt": prompt, "temperature": 0}).encode())
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
+
+
+def test_malformed_bodies_are_a_400(served):
+    for body in (b"", b"{", b"[1, 2]", b"null", b'"text"', b"\xff\xfe", b"[" * 100_000):
+        assert_openai_error(post_raw(served.base, CHAT, body), 400)
+    # a Content-Length that is not a number (no client library sends one: a raw socket does)
+    with socket.create_connection(("127.0.0.1", served.port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n{}")
+        status = sock.recv(4096).split(b"\r\n", 1)[0]
+    assert status.split()[1] == b"400", status
+
+
+def test_a_server_fault_is_a_json_500_with_the_request_id(tiny_models):
+    """An engine that breaks with an unexpected exception: the client gets the OpenAI error shape with
+    the request id (its own x-request-id when it sent one), streamed or not; the server goes on."""
+    class Faulty:
+        def __init__(self):
+            self.inner = tiny_engine(tiny_models)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        async def generate(self, request):
+            if "boom" in self.inner.detokenize(list(request.prompt)):
+                raise TypeError("an engine bug")
+            async for ev in self.inner.generate(request):
+                yield ev
+    with InProcessServer(Faulty) as srv:
+        r = post_raw(srv.base, COMPLETIONS, b'{"prompt":"boom","max_tokens":2}', )
+        err = assert_openai_error(r, 500)
+        assert err["type"] == "server_error" and r.headers["x-request-id"] in err["message"]
+        r = httpx2.post(srv.base + COMPLETIONS, json={"prompt": "boom", "max_tokens": 2}, timeout=30,
+                        headers={"x-request-id": "client-chosen-id"})
+        assert r.status_code == 500 and "client-chosen-id" in r.json()["error"]["message"]
+        with httpx2.stream("POST", srv.base + COMPLETIONS, json={"prompt": "boom", "max_tokens": 2, "stream": True},
+                           timeout=30) as s:
+            events = [line for line in s.iter_lines() if line.startswith("data:")]
+        assert json.loads(events[0][5:])["error"]["type"] == "server_error" and events[-1] == "data: [DONE]"
+        ok = post_raw(srv.base, COMPLETIONS, b'{"prompt":"fine","max_tokens":2}')
+        assert ok.status_code == 200
+
+
+def test_an_oversized_body_is_a_413_before_it_is_read_and_health_keeps_answering(tiny_models):
+    limit = 1 << 20
+    with InProcessServer(lambda: tiny_engine(tiny_models), max_request_bytes=limit) as srv:
+        big = b'{"prompt":"' + b"a" * (20 << 20) + b'"}'
+        err = assert_openai_error(post_raw(srv.base, COMPLETIONS, big), 413, code="request_too_large")
+        assert str(limit) in err["message"]
+
+        def chunks():  # no Content-Length: refused while reading
+            yield b'{"prompt":"'
+            for _ in range(40):
+                yield b"b" * (64 << 10)
+            yield b'"}'
+        r = httpx2.post(srv.base + COMPLETIONS, content=chunks(), timeout=60)
+        assert_openai_error(r, 413, code="request_too_large")
+        assert httpx2.get(srv.base + "/health", timeout=30).status_code == 200
+        # under the byte limit but longer than any max_input_len prompt can be: refused before tokenizing
+        text = "word " * ((limit - 1000) // 5)
+        api = srv.api
+        assert len(text) > api.max_input_len * api.max_chars_per_token
+        r = post_raw(srv.base, COMPLETIONS, json.dumps({"prompt": text, "max_tokens": 2}).encode())
+        assert_openai_error(r, 400, "prompt", "context_length_exceeded")
+
+
+def test_the_event_loop_answers_health_while_a_request_is_being_tokenized(tiny_models):
+    """Tokenizing runs off the event loop: with a tokenizer held mid-call, /health, /metrics and other
+    requests' streams still answer; released, the held request completes."""
+    release, entered = threading.Event(), threading.Event()
+
+    class SlowTokenizer:
+        def __init__(self):
+            self.inner = tiny_engine(tiny_models)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def tokenize(self, text):
+            if "hold me" in text:
+                entered.set()
+                assert release.wait(60)
+            return self.inner.tokenize(text)
+    with InProcessServer(SlowTokenizer) as srv:
+        held = {}
+
+        def send():
+            held["r"] = post_raw(srv.base, COMPLETIONS, b'{"prompt":"hold me","max_tokens":2,"temperature":0}')
+        t = threading.Thread(target=send)
+        t.start()
+        try:
+            assert entered.wait(30)
+            for _ in range(5):
+                assert httpx2.get(srv.base + "/health", timeout=10).status_code == 200
+                assert httpx2.get(srv.base + "/metrics", timeout=10).status_code == 200
+            assert httpx2.get(srv.base + "/v1/models", timeout=10).status_code == 200
+        finally:
+            release.set()
+            t.join(60)
+        assert held["r"].status_code == 200
+
+
+def test_memory_returns_after_refused_oversized_requests(tiny_models, tmp_path):
+    """The real `make serve` process: three 20 MB bodies are refused (413) without the server holding
+    them: its resident memory stays within a few MB of where it was."""
+    srv = ServerProcess(tiny_models["llama-tir"], tmp_path / "server.log", "--max-request-bytes", str(1 << 20)).start()
+    try:
+        srv.wait_ready()
+
+        def rss_mb() -> float:
+            for line in open(f"/proc/{srv.proc.pid}/status"):
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+            raise AssertionError("no VmRSS")
+        assert httpx2.get(srv.base + "/health", timeout=30).status_code == 200
+        before = rss_mb()
+        big = b'{"prompt":"' + b"a" * (20 << 20) + b'"}'
+        for _ in range(3):
+            assert post_raw(srv.base, COMPLETIONS, big).status_code == 413
+        assert httpx2.get(srv.base + "/health", timeout=30).status_code == 200
+        assert rss_mb() - before < 15, (before, rss_mb())
+    finally:
+        srv.kill()
+
+
+def test_load_with_disconnects_accounts_for_every_request(served):
+    """24 concurrent streams; every third client hangs up after its first chunk. Every request ends
+    (finished or cancelled), the counters add up, nothing is left running, and the server serves after."""
+    api = served.api
+    before = dict(api.finished)
+
+    async def one(i: int, client) -> str:
+        body = {"prompt": f"Stream {i}:", "max_tokens": 40, "temperature": 0.8, "seed": i, "stream": True,
+                "ignore_eos": True}
+        async with client.stream("POST", served.base + COMPLETIONS, json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if i % 3 == 0 and line.startswith("data:"):
+                    return "left"
+                if line == "data: [DONE]":
+                    return "done"
+        return "cut"
+
+    async def main():
+        async with httpx2.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*(one(i, client) for i in range(24)))
+    outcomes = asyncio.run(main())
+    assert outcomes.count("done") == 16 and outcomes.count("left") == 8
+    after = lambda k: api.finished.get(k, 0) - before.get(k, 0)  # noqa: E731
+    assert wait_for(lambda: api.running == 0 and sum(after(k) for k in api.finished) == 24)
+    assert after("length") + after("cancelled") == 24 and after("length") >= 16
+    r = post_raw(served.base, COMPLETIONS, b'{"prompt":"after","max_tokens":3,"temperature":0}')
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
