@@ -332,10 +332,7 @@ def test_shared_memory_counts_against_the_memory_limit(pool):
 
 # ---- 4. the session control channel and runner are out of reach
 
-FORGE = [
-    # write forged replies to every descriptor the cell can see
-    "import os\nfor fd in range(256):\n    try:\n        os.write(fd, b'{\"id\": \"x\", \"status\": {\"kind\": \"exit\", \"code\": 0}}\\n')\n"
-    "    except OSError:\n        pass\nprint('FORGED')",
+FORGE = [  # (writing forged replies to every descriptor: test_session_cell_cannot_use_the_control_channel)
     # break the serializer the runner uses
     "import json\njson.dumps = lambda *a, **k: 'garbage'\nprint('FORGED')",
     # replace the runner's reply with a well-formed one for another cell
@@ -345,7 +342,7 @@ FORGE = [
 ]
 
 
-@pytest.mark.parametrize("attack", FORGE, ids=["write-all-fds", "json-dumps", "forged-frame", "silent-runner"])
+@pytest.mark.parametrize("attack", FORGE, ids=["json-dumps", "forged-frame", "silent-runner"])
 def test_session_cell_cannot_forge_or_misattribute_results(pool, attack):
     with pool.session() as s:
         assert s.run("x = 7").ok
@@ -354,6 +351,91 @@ def test_session_cell_cannot_forge_or_misattribute_results(pool, attack):
         assert r.total_seconds < 3
         for k in range(3):
             r = s.run(f"print('cell', {k}, x)", timeout=5)
+            assert r.status == "ok" and r.stdout.text == f"cell {k} 7\n", r
+
+
+# Every descriptor a session cell could reach the control channel by: fd numbers of its own process
+# and every link under /proc/*/task/*/fd (other threads' tables, other processes it can read).
+REACH = textwrap.dedent("""
+    import fcntl, glob, os, select, threading
+    JUNK = b'\\xff\\xff\\xff\\x7fgarbage'  # a frame header announcing 2 GiB, then nonsense
+    def links(flags):
+        out = []
+        for path in glob.glob('/proc/*/task/*/fd/*'):
+            try:
+                out.append(os.open(path, flags | os.O_NONBLOCK))
+            except OSError:
+                pass
+        return out
+    def open_fds():
+        out = []
+        for fd in range(3, 1024):
+            try:
+                out.append((fd, fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE))
+            except OSError:
+                pass
+        return out
+    def write_all():
+        for fd in [fd for fd, _ in open_fds()] + links(os.O_WRONLY):
+            try:
+                os.write(fd, JUNK)
+            except OSError:
+                pass
+    def read_all(block):
+        for fd in [fd for fd, _ in open_fds()] + links(os.O_RDONLY):
+            try:
+                os.set_blocking(fd, block)
+                os.read(fd, 1 << 16)
+            except OSError:
+                pass
+    def close_all():
+        for fd in range(3, 1024):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    def background(job, *args):
+        threading.Thread(target=job, args=args, daemon=True).start()
+""")
+CHANNEL_ATTACKS = {
+    # garbage to every descriptor, during this cell
+    "write": "write_all()",
+    # garbage to every descriptor once anything readable arrives (the next cell's request, if the
+    # channel is reachable), so it lands inside the next cell's exchange
+    "write-later": "def later():\n    select.select([fd for fd, _ in open_fds()], [], [])\n    write_all()\n"
+                   "background(later)",
+    # read every descriptor now (non-blocking), and from threads blocking on each one, stealing
+    # whatever arrives (the next cell's request, if they could reach it)
+    "read": "read_all(False)\nfor _ in range(4):\n    background(read_all, True)",
+    # close every descriptor, then keep closing from a thread while the next cells run
+    "close": "close_all()\nbackground(lambda: [close_all() for _ in iter(int, 1)])",
+    # replace every readable descriptor with a pipe that never answers
+    "replace": "jam, keep = os.pipe()\nfor fd, mode in open_fds():\n    if fd not in (jam, keep) and mode == os.O_RDONLY:\n"
+               "        os.dup2(jam, fd)",
+    # a forked copy of the cell returns into the runner with whatever it inherited
+    "fork": "pid = os.fork()\nprint('child' if pid == 0 else 'parent')",
+    # copy every descriptor of every thread of this process (pidfd_getfd on thread pidfds, Linux
+    # 6.9+), then quietly read from all of them in the background
+    "pidfd-getfd": "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                   "for tid in set(map(int, os.listdir('/proc/self/task'))) - {os.getpid()}:\n"
+                   "    pidfd = libc.syscall(434, tid, os.O_EXCL)  # pidfd_open(tid, PIDFD_THREAD)\n"
+                   "    for fd in range(16):\n        libc.syscall(438, pidfd, fd, 0)  # pidfd_getfd\n"
+                   "background(read_all, True)",
+}
+
+
+@pytest.mark.parametrize("attack", list(CHANNEL_ATTACKS), ids=list(CHANNEL_ATTACKS))
+def test_session_cell_cannot_use_the_control_channel(pool, attack):
+    """A cell that writes to, reads from or closes the session's control channel (by any fd it can
+    find) must not cost the next, innocent cell anything: it runs normally, with its state. The
+    innocent cells get a time limit far above their need, so a stolen request or a jammed channel
+    shows as status 'timeout', never as a slow pass."""
+    with pool.session() as s:
+        assert s.run("x = 7").ok
+        r = s.run(REACH + CHANNEL_ATTACKS[attack], timeout=5)  # never raises
+        assert r.status == "ok" and not r.restarted, r  # the channel was never reached, nothing to restart
+        for k in range(3):
+            r = s.run(f"print('cell', {k}, x)", timeout=10)
             assert r.status == "ok" and r.stdout.text == f"cell {k} 7\n", r
 
 
