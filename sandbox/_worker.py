@@ -146,7 +146,9 @@ def _compile(code):
     return compile(tree, name, "exec"), last
 
 
-def _apply_limits(limits, inline=False):
+def _apply_limits(cfg, inline=False):
+    limits = cfg["limits"]
+
     def lim(kind, value):
         if value:
             resource.setrlimit(kind, (value, value))
@@ -165,7 +167,9 @@ def _apply_limits(limits, inline=False):
         lim(resource.RLIMIT_AS, base + limits["memory_mb"] * mb)
     lim(resource.RLIMIT_FSIZE, limits.get("file_size_mb", 0) * mb)
     lim(resource.RLIMIT_NOFILE, limits.get("open_files", 0))
-    lim(resource.RLIMIT_NPROC, limits.get("max_processes", 0))
+    nproc = cfg.get("task_rlimit") or limits.get("max_processes", 0)
+    # a session's channel thread runs as the cell's uid but is the harness's, not part of the cell's budget
+    lim(resource.RLIMIT_NPROC, nproc + 1 if nproc and inline else nproc)
     resource.setrlimit(resource.RLIMIT_MSGQUEUE, (0, 0))  # no POSIX message queues (they would outlive the cell)
     if not inline and limits.get("cpu_seconds"):
         lim(resource.RLIMIT_CPU, int(limits["cpu_seconds"]))
@@ -466,7 +470,7 @@ def _forked_cell(req, base_globals, cfg, out_w, err_w):
         _oom_score(1000)  # cells are the OOM killer's first choice, in the cgroup and on the host
         _drop_privileges(cfg.get("uid"))
         os.chdir(cfg["workdir"])
-        _apply_limits(cfg["limits"])
+        _apply_limits(cfg)
         _std_streams()
         status = _run_code(req["code"], dict(base_globals))
         _flush()
@@ -668,7 +672,7 @@ class SessionChild:
                 _isolate_ipc(cfg)
                 _drop_privileges(cfg.get("uid"))
                 os.chdir(cfg["workdir"])
-                _apply_limits(cfg["limits"], inline=True)
+                _apply_limits(cfg, inline=True)
                 _std_streams()
                 _session_child(3, 4, dict(base_globals))
             finally:

@@ -145,7 +145,7 @@ def test_pool_close_ends_every_session_and_worker():
     assert s.run("import threading, os\nthreading.Thread(target=lambda: [None for _ in iter(int, 1)]).start()").ok
     workers = list(p._idle.queue) + [s._worker]
     inits = [w.init_pid for w in workers]
-    groups = [w.cgroup.path for w in workers if w.cgroup is not None]
+    groups = [p for w in workers if w.cgroup is not None for p in (w.cgroup.path, w.cgroup.pids_path) if p]
     r = p.run(detached_spinner(marker) + "while True:\n    pass", timeout=1)
     assert r.status == "timeout"
     p.close()
@@ -176,10 +176,10 @@ def test_workers_die_with_the_harness(tmp_path):
     assert not Path(f"/proc/{init}").exists()
     from sandbox import cgroup
 
-    version, base, _ = cgroup.available()
-    if version is not None:  # the dead harness's groups are removed by the next one that starts
-        cgroup._remove_stale(base)
-        assert [n for n in os.listdir(base) if n.startswith(f"{cgroup.PREFIX}{proc.pid}-")] == []
+    for version, base, _ in (cgroup.available(), cgroup.pids_available()):
+        if version is not None:  # the dead harness's groups are removed by the next one that starts
+            cgroup._remove_stale(base)
+            assert [n for n in os.listdir(base) if n.startswith(f"{cgroup.PREFIX}{proc.pid}-")] == []
 
 
 # ---- 2. no host filesystem socket is reachable
@@ -607,6 +607,60 @@ def test_session_restore_is_bounded_by_the_replay_budget():
             assert "only 2 of 3" in r.feedback(), r.feedback()
     finally:
         p.close()
+
+
+# ---- 9. a cell that runs into the thread and process limit is told so
+
+TASKS = 8  # a small limit: reached long before the address space runs out (8 MiB of stack per thread)
+
+BOMBS = {
+    # threads until starting one fails ("can't start new thread")
+    "threads": ("import threading, time\nwhile True:\n    threading.Thread(target=time.sleep, args=(60,), daemon=True).start()", 5),
+    # every process forks until forking fails (BlockingIOError)
+    "processes": ("import os\nwhile True:\n    os.fork()", 5),
+    # a fork loop that swallows the failures and so runs into its time limit
+    "processes-until-timeout": ("import os, time\nwhile True:\n    try:\n        if os.fork() == 0:\n            time.sleep(60)\n"
+                                "            os._exit(0)\n    except OSError:\n        pass", 1),
+}
+
+
+@pytest.fixture(scope="module")
+def small_pool():
+    p = SandboxPool(SandboxConfig(pool_size=1, limits=Limits(wall_seconds=5, max_processes=TASKS), **FAST))
+    w = idle_worker(p)
+    if w.cgroup is None or w.cgroup.pids_path is None:
+        p.close()
+        pytest.skip("no writable pids cgroup on this machine: the limit binds (RLIMIT_NPROC) but counts nothing")
+    yield p
+    p.close()
+
+
+@pytest.mark.parametrize("bomb", list(BOMBS))
+def test_thread_and_process_bombs_are_told_the_limit(small_pool, bomb):
+    code, timeout = BOMBS[bomb]
+    said = f"too many threads or processes: the limit is {TASKS}"
+    r = small_pool.run(code, timeout=timeout)
+    assert r.status in ("error", "timeout", "killed") and said in r.feedback(), r
+    r = small_pool.run("print(6 * 7)")
+    assert r.status == "ok" and r.stdout.text == "42\n" and said not in r.feedback(), r  # counted once, for its cell
+    with small_pool.session() as s:
+        assert s.run("x = 7").ok
+        r = s.run(code, timeout=timeout)
+        assert r.status in ("error", "timeout", "killed") and said in r.feedback(), r
+        r = s.run("print(x)", timeout=10)
+        assert r.status == "ok" and r.stdout.text == "7\n" and said not in r.feedback(), r
+
+
+def test_the_thread_and_process_limit_counts_the_cell_itself(small_pool):
+    """`max_processes` threads and processes for a cell, its own main thread included, in pool cells and sessions."""
+    code = ("import threading, time\nn = 0\ntry:\n    while n < 100:\n"
+            "        threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n        n += 1\n"
+            "except RuntimeError:\n    pass\nprint(n)")
+    r = small_pool.run(code)
+    assert r.stdout.text == f"{TASKS - 1}\n" and "limit is" in r.feedback(), r
+    with small_pool.session() as s:
+        r = s.run(code)
+        assert r.stdout.text == f"{TASKS - 1}\n" and "limit is" in r.feedback(), r
 
 
 # ---- the smaller items
