@@ -24,7 +24,9 @@ Two modes:
   worked (`clean`); the host replaces a worker that is not clean.
 - session (stateful): one long-lived child, forked from the warm zygote, runs the session's cells
   in its own interpreter so later cells see earlier variables. Requests reach it over a pipe with
-  a fresh random nonce per cell; its status reply must echo that nonce in a strict format. Its
+  a fresh random nonce per cell; its status reply must echo that nonce in a strict format. Both
+  pipes are held only by a thread of the child with a descriptor table of its own, so the cell's
+  code, its threads and its forks have no descriptor that leads to them (see _session_child). Its
   stdout/stderr are pipes read here with caps. The child interrupts a cell with an interval timer
   at the time limit; if the cell ignores that, this process kills the child shortly after. Any
   unparseable, out-of-order or oversized status, or the child's death, is a crash: the reply says
@@ -46,10 +48,11 @@ import traceback
 
 CELL_FILE = "<cell>"
 CHANNEL_IN, CHANNEL_OUT, DIAGNOSTICS = 0, 1, 2
-CLONE_NEWIPC = 0x08000000
+CLONE_NEWIPC, CLONE_FILES = 0x08000000, 0x400
 MNT_DETACH = 2
 MS_NOSUID, MS_NODEV, MS_NOATIME = 2, 4, 1024
 SESSION_KILL_GRACE = 0.5  # after its time limit, a session cell that ignored the timer is killed
+SESSION_START_SECONDS = 20.0  # for a new session child to report that its channel thread is up
 MAX_STATUS_BYTES = 1 << 16
 _libc = None
 
@@ -143,7 +146,9 @@ def _compile(code):
     return compile(tree, name, "exec"), last
 
 
-def _apply_limits(limits, inline=False):
+def _apply_limits(cfg, inline=False):
+    limits = cfg["limits"]
+
     def lim(kind, value):
         if value:
             resource.setrlimit(kind, (value, value))
@@ -162,7 +167,9 @@ def _apply_limits(limits, inline=False):
         lim(resource.RLIMIT_AS, base + limits["memory_mb"] * mb)
     lim(resource.RLIMIT_FSIZE, limits.get("file_size_mb", 0) * mb)
     lim(resource.RLIMIT_NOFILE, limits.get("open_files", 0))
-    lim(resource.RLIMIT_NPROC, limits.get("max_processes", 0))
+    nproc = cfg.get("task_rlimit") or limits.get("max_processes", 0)
+    # a session's channel thread runs as the cell's uid but is the harness's, not part of the cell's budget
+    lim(resource.RLIMIT_NPROC, nproc + 1 if nproc and inline else nproc)
     resource.setrlimit(resource.RLIMIT_MSGQUEUE, (0, 0))  # no POSIX message queues (they would outlive the cell)
     if not inline and limits.get("cpu_seconds"):
         lim(resource.RLIMIT_CPU, int(limits["cpu_seconds"]))
@@ -463,7 +470,7 @@ def _forked_cell(req, base_globals, cfg, out_w, err_w):
         _oom_score(1000)  # cells are the OOM killer's first choice, in the cgroup and on the host
         _drop_privileges(cfg.get("uid"))
         os.chdir(cfg["workdir"])
-        _apply_limits(cfg["limits"])
+        _apply_limits(cfg)
         _std_streams()
         status = _run_code(req["code"], dict(base_globals))
         _flush()
@@ -542,28 +549,104 @@ def _read_exact(fd, n):
     return buf
 
 
-def _session_child_loop(req_fd, status_fd, glob):
-    """Runs in the session child (uid dropped): read a cell, run it, report its status. Never returns."""
+def _session_child(req_fd, status_fd, glob):
+    """The session child's runner (uid dropped, limits set): run cells in `glob`. Never returns.
+
+    The cell runs in this process, so a descriptor this process holds is one the cell can write
+    to, read from, close or replace, and one that the threads and processes it starts inherit;
+    any of that used to make a later, innocent cell wait for its time limit. So the control
+    channel lives in a thread of its own with a private descriptor table (unshare(CLONE_FILES)):
+    once that thread has its copy, the main thread closes the channel in the table it shares with
+    everything the cell runs or starts. No fd number, /proc/self/fd entry or inherited descriptor
+    of the cell leads to the channel; /proc/self/task/<tid>/fd shows the channel thread's links,
+    but reopening a pipe through them is refused (the pipes belong to root and the cell runs as
+    the slot's uid; without the uid drop this holds only as far as the user namespace does), and
+    pidfd_getfd(), which could copy them, is filtered out (`_deny_fd_theft`). The two threads hand
+    over a cell and its status through queues; the cell runs in the main thread, where the
+    interval timer's signal arrives.
+    """
+    import queue
+    import threading
+    import warnings
+
+    # The channel thread makes every session multi-threaded: Python 3.12+ would warn at each fork()
+    # a cell makes that it "may lead to deadlocks" (it cannot here: that thread holds no lock a child needs).
+    warnings.filterwarnings("ignore", message=r"This process \(pid=\d+\) is multi-threaded", category=DeprecationWarning)
+    cells, statuses = queue.SimpleQueue(), queue.SimpleQueue()
+    private = threading.Event()
+
+    def channel():
+        try:
+            _sys("unshare", CLONE_FILES)
+            private.set()
+            _write_frame(status_fd, {"ready": True})
+            while True:
+                head = _read_exact(req_fd, 4)
+                if head is None:
+                    os._exit(0)  # the worker closed the channel: the session is over
+                msg = json.loads(_read_exact(req_fd, struct.unpack("!I", head)[0]))
+                cells.put((msg["code"], float(msg["timeout"])))
+                status, seconds = statuses.get()
+                _write_frame(status_fd, {"nonce": msg["nonce"], "status": status, "seconds": seconds})
+        finally:
+            os._exit(120)  # the channel broke: this interpreter ends, the worker sees it die
+
     def on_alarm(signum, frame):
         raise CellTimeout()
 
+    threading.Thread(target=channel, name="sandbox-channel", daemon=True).start()
+    private.wait()
+    os.close(req_fd)
+    os.close(status_fd)
+    _deny_fd_theft()
+    me = os.getpid()
     while True:
-        head = _read_exact(req_fd, 4)
-        if head is None:
-            os._exit(0)
-        msg = json.loads(_read_exact(req_fd, struct.unpack("!I", head)[0]))
-        signal.signal(signal.SIGALRM, on_alarm)
+        try:
+            code, timeout = cells.get()
+        except BaseException:  # noqa: BLE001 - a signal handler the cell left behind raised between cells
+            continue
         t0 = time.monotonic()
         try:
-            signal.setitimer(signal.ITIMER_REAL, float(msg["timeout"]))
-            status = _run_code(msg["code"], glob)
-        except CellTimeout:  # the timer fired outside the cell's own code
+            signal.signal(signal.SIGALRM, on_alarm)
+            try:
+                signal.setitimer(signal.ITIMER_REAL, timeout)
+                status = _run_code(code, glob)
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+        except CellTimeout:  # the timer fired outside the cell's own code (the timer is one-shot: it is spent)
             status = {"kind": "timeout"}
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
         elapsed = time.monotonic() - t0
         _flush()
-        _write_frame(status_fd, {"nonce": msg["nonce"], "status": status, "seconds": elapsed})
+        if os.getpid() != me:  # a copy the cell forked, back from its code: it ends like a pool cell
+            os._exit(status.get("code", 1))
+        statuses.put((status, elapsed))
+
+
+PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
+SYS_PIDFD_GETFD = 438  # the same number on every architecture (the shared syscall table since 5.1)
+
+
+def _deny_fd_theft():
+    """Refuse pidfd_getfd() in this process and all it starts (EPERM), via a 5-instruction seccomp filter.
+
+    pidfd_getfd() copies a descriptor out of another task's table, and a task may do it to any
+    thread of its own process (a thread's pidfd, Linux 6.9+): that would reach the session's
+    channel thread. Nothing a cell legitimately does needs it. Best effort: on a kernel built
+    without seccomp filters the call stays open.
+    """
+    bpf = [(0x20, 0, 0, 0),  # A = seccomp_data.nr
+           (0x15, 2, 0, SYS_PIDFD_GETFD),  # pidfd_getfd: deny
+           (0x15, 1, 0, SYS_PIDFD_GETFD | 0x40000000),  # and its x32 number
+           (0x06, 0, 0, 0x7FFF0000),  # allow
+           (0x06, 0, 0, 0x00050000 | 1)]  # deny with EPERM
+    prog = b"".join(struct.pack("HBBI", *ins) for ins in bpf)
+    buf = ctypes.create_string_buffer(prog)
+    fprog = struct.pack("@HP", len(bpf), ctypes.addressof(buf))  # struct sock_fprog
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+    _libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.c_char_p(fprog), 0, 0)
 
 
 class SessionChild:
@@ -589,9 +672,9 @@ class SessionChild:
                 _isolate_ipc(cfg)
                 _drop_privileges(cfg.get("uid"))
                 os.chdir(cfg["workdir"])
-                _apply_limits(cfg["limits"], inline=True)
+                _apply_limits(cfg, inline=True)
                 _std_streams()
-                _session_child_loop(3, 4, dict(base_globals))
+                _session_child(3, 4, dict(base_globals))
             finally:
                 os._exit(120)
         for fd in (req_r, status_w, out_w, err_w):
@@ -600,6 +683,26 @@ class SessionChild:
             os.set_blocking(fd, False)
         self.pidfd = os.pidfd_open(self.pid)
         self.alive = True
+        self.ready = self._await_ready()
+
+    def _await_ready(self):
+        """Wait for the child's `ready` frame: its channel thread is up. False if it died or said anything else."""
+        raw, deadline = b"", time.monotonic() + SESSION_START_SECONDS
+        while not _status_complete(raw):
+            left = deadline - time.monotonic()
+            if left <= 0 or len(raw) > MAX_STATUS_BYTES:
+                return False
+            ready, _, _ = select.select([self.status_r, self.pidfd], [], [], left)
+            if self.pidfd in ready:
+                return False
+            chunk = _read_some(self.status_r) if ready else None
+            if chunk == b"":
+                return False
+            raw += chunk or b""
+        try:
+            return len(raw) == 4 + struct.unpack("!I", raw[:4])[0] and json.loads(raw[4:]) == {"ready": True}
+        except ValueError:
+            return False
 
     def kill(self):
         """SIGKILL the child and reap it; its exit status (or None if it was already reaped)."""
@@ -696,10 +799,10 @@ def _run_session_cell(child, req, cfg):
                 select.select([child.pidfd], [], [], SESSION_KILL_GRACE)
                 crash = "died"
                 break
-            if len(raw) + len(chunk) > MAX_STATUS_BYTES:
-                crash = "protocol"
-                break
             raw += chunk
+            if len(raw) > MAX_STATUS_BYTES or (len(raw) >= 4 and struct.unpack("!I", raw[:4])[0] > MAX_STATUS_BYTES):
+                crash = "protocol"  # no status is that long: garbage, reported now rather than at the deadline
+                break
             if _status_complete(raw):
                 break
     elapsed = time.monotonic() - t0
@@ -758,7 +861,10 @@ def _serve_session(cfg, base_globals):
             child = None
             return False
         child = SessionChild(base_globals, cfg)
-        return True
+        if not child.ready:
+            child.kill()
+            child = None
+        return child is not None
 
     ok = start()
     _send({"ready": ok, "pid": os.getpid(), "uid": cfg.get("uid"), "failed_preimports": cfg["_failed"]})

@@ -12,6 +12,11 @@ Two layouts are supported, both host side only (the sandbox never sees /sys):
 - cgroup v1 where the memory controller is mounted and our cgroup in it is writable
   (`memory.limit_in_bytes`, `memory.memsw.limit_in_bytes`, `memory.oom_control`).
 Elsewhere `available()` says why not and the pool warns: the limit then stays per process.
+
+Where the pids controller is available too (v2: delegated like memory; v1: mounted, ours
+writable), the worker also gets a pids group: `pids.max` caps the threads and processes of a cell
+and all it starts, and `pids.events` counts every fork or thread start it refused, so a result can
+say that a cell ran into that limit (RLIMIT_NPROC refuses just the same, but counts nothing).
 """
 
 from __future__ import annotations
@@ -49,27 +54,27 @@ def _own_paths() -> dict[str, str]:
     return out
 
 
-def _v2_base() -> str | None:
+def _v2_base(controller: str = "memory") -> str | None:
     own = _own_paths().get("")
     for mp, fstype, _ in _mounts():
         if fstype == "cgroup2" and own is not None:
             base = os.path.join(mp, own.lstrip("/"))
             try:
                 with open(os.path.join(base, "cgroup.subtree_control")) as f:
-                    if "memory" in f.read().split() and os.access(base, os.W_OK):
+                    if controller in f.read().split() and os.access(base, os.W_OK):
                         return base
             except OSError:
                 pass
     return None
 
 
-def _v1_base() -> str | None:
+def _v1_base(controller: str = "memory", marker: str = "memory.limit_in_bytes") -> str | None:
     paths = _own_paths()
-    own = next((p for c, p in paths.items() if "memory" in c.split(",")), None)
+    own = next((p for c, p in paths.items() if controller in c.split(",")), None)
     for mp, fstype, opts in _mounts():
-        if fstype == "cgroup" and "memory" in opts.split(",") and own is not None:
+        if fstype == "cgroup" and controller in opts.split(",") and own is not None:
             base = os.path.join(mp, own.lstrip("/"))
-            if os.path.isfile(os.path.join(base, "memory.limit_in_bytes")) and os.access(base, os.W_OK):
+            if os.path.isfile(os.path.join(base, marker)) and os.access(base, os.W_OK):
                 return base
     return None
 
@@ -89,6 +94,28 @@ def available() -> tuple[str | None, str, str]:
         _remove_stale(base)
         return version, base, f"cgroup {version} memory limit per worker"
     return None, "", "no writable cgroup memory controller (neither v2 with memory delegated nor v1 memory)"
+
+
+@functools.lru_cache(maxsize=1)
+def pids_available() -> tuple[str | None, str, str]:
+    """(version 'v2' | 'v1' | None, base folder, reason) for the pids controller, probed like `available()`."""
+    for version, base in (("v2", _v2_base("pids")), ("v1", _v1_base("pids", "cgroup.procs"))):
+        if base is None:
+            continue
+        probe = os.path.join(base, f"{PREFIX}probe-{os.getpid()}")
+        try:
+            os.mkdir(probe)
+            try:
+                ok = _write(os.path.join(probe, "pids.max"), "max") and os.path.isfile(os.path.join(probe, "pids.events"))
+            finally:
+                os.rmdir(probe)
+        except OSError as e:
+            return None, "", f"cgroup {version} pids controller at {base} is not writable: {e}"
+        if not ok:
+            return None, "", f"cgroup {version} pids controller at {base} has no writable pids.max and pids.events"
+        _remove_stale(base)
+        return version, base, f"cgroup {version} thread and process limit per worker"
+    return None, "", "no writable cgroup pids controller"
 
 
 def _remove_stale(base: str) -> None:
@@ -151,10 +178,14 @@ def _read_int(path: str, key: str | None = None) -> int:
 
 
 class CellGroup:
-    """The cgroup of one worker: everything its namespace runs is charged and killed here."""
+    """The cgroup of one worker: everything its namespace runs is charged and killed here.
 
-    def __init__(self, version: str, path: str):
-        self.version, self.path = version, path
+    `pids_path` is its pids group (the same folder on v2, one in the pids hierarchy on v1), or None
+    where the pids controller is unavailable.
+    """
+
+    def __init__(self, version: str, path: str, pids_path: str | None = None):
+        self.version, self.path, self.pids_path = version, path, pids_path
         self.limit_bytes = 0
 
     @classmethod
@@ -162,17 +193,30 @@ class CellGroup:
         version, base, _ = available()
         if version is None:
             return None
-        path = os.path.join(base, f"{PREFIX}{os.getpid()}-{next(_counter)}")
+        name = f"{PREFIX}{os.getpid()}-{next(_counter)}"
+        path = os.path.join(base, name)
         try:
             os.mkdir(path)
         except OSError:
             return None
-        return cls(version, path)
+        pids_version, pids_base, _ = pids_available()
+        pids_path = os.path.join(pids_base, name) if pids_version is not None else None
+        if pids_path is not None and pids_path != path:
+            try:
+                os.mkdir(pids_path)
+            except OSError:
+                pids_path = None
+        return cls(version, path, pids_path)
 
     @property
     def procs_file(self) -> str:
         """The file a process writes `0` into to join the group (done before the worker starts)."""
         return os.path.join(self.path, "cgroup.procs")
+
+    @property
+    def pids_procs_file(self) -> str:
+        """The same for the pids group where that is a group of its own (v1), else ''."""
+        return os.path.join(self.pids_path, "cgroup.procs") if self.pids_path not in (None, self.path) else ""
 
     def usage(self) -> int:
         return _read_int(os.path.join(self.path, "memory.current" if self.version == "v2" else "memory.usage_in_bytes"))
@@ -195,6 +239,17 @@ class CellGroup:
         self.limit_bytes = limit if ok else 0
         return ok
 
+    def limit_tasks(self, extra: int) -> bool:
+        """Cap the group's threads and processes at what the warm worker runs now plus `extra`."""
+        if self.pids_path is None:
+            return False
+        limit = _read_int(os.path.join(self.pids_path, "pids.current")) + extra
+        return _write(os.path.join(self.pids_path, "pids.max"), str(limit))
+
+    def task_limit_hits(self) -> int:
+        """How many forks and thread starts the task limit refused in this group so far (0 without one)."""
+        return _read_int(os.path.join(self.pids_path, "pids.events"), "max") if self.pids_path else 0
+
     def oom_kills(self) -> int:
         """How many processes the kernel killed in this group for exceeding the limit so far."""
         if self.version == "v2":
@@ -202,7 +257,9 @@ class CellGroup:
         return _read_int(os.path.join(self.path, "memory.oom_control"), "oom_kill")
 
     def kill(self) -> bool:
-        """Kill every process in the group; True when it is empty."""
+        """Kill every process in the group (and in its pids group, which holds the same ones); True when empty."""
+        if self.pids_procs_file:
+            _kill_members(self.pids_path)
         if self.version == "v2" and _write(os.path.join(self.path, "cgroup.kill"), "1"):
             for _ in range(200):
                 if not _read_procs(self.path):
@@ -212,11 +269,12 @@ class CellGroup:
 
     def remove(self) -> None:
         self.kill()
-        for _ in range(50):
-            try:
-                os.rmdir(self.path)
-                return
-            except FileNotFoundError:
-                return
-            except OSError:
-                time.sleep(0.01)  # the last member is still exiting
+        for path in [self.path] + ([self.pids_path] if self.pids_procs_file else []):
+            for _ in range(50):
+                try:
+                    os.rmdir(path)
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    time.sleep(0.01)  # the last member is still exiting

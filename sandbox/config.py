@@ -31,7 +31,8 @@ class Limits:
     #                        tmpfs files and SysV shared memory included) and, per process, address space
     file_size_mb: int = 16  # largest file a cell may write
     open_files: int = 64
-    max_processes: int = 32  # binds via a per-slot uid (root) or the pid namespace
+    max_processes: int = 32  # threads and processes of a cell and all it starts, its main thread included
+    #                          (pids cgroup, which counts refusals for the result; else RLIMIT_NPROC per slot uid)
     tmpfs_mb: int = 64  # each private tmpfs (/tmp, /var/tmp, /dev/shm, /run, /run/lock), fresh per pool cell
 
     def as_dict(self) -> dict:

@@ -99,10 +99,11 @@ def rebinds(python: str = "") -> list[tuple[str, str]]:
 def mount_script(python: str = "") -> str:
     """Shell run as the namespace's first process (root), before the worker is exec'd.
 
-    It joins the worker's cgroup, then builds a new root from nothing and pivots into it: a small
-    tmpfs holding read-only binds of the system dirs and the interpreter's own dirs, a fresh /proc
-    of the pid namespace, a /dev with only null/zero/full/random/urandom, and fresh tmpfs on
-    /tmp, /var/tmp, /dev/shm, /run and /run/lock. Nothing else of the host exists in there: no
+    It joins the worker's cgroups (memory, and pids where that is a hierarchy of its own), then
+    builds a new root from nothing and pivots into it: a small tmpfs holding read-only binds of
+    the system dirs and the interpreter's own dirs, a fresh /proc of the pid namespace, a /dev
+    with only null/zero/full/random/urandom, and fresh tmpfs on /tmp, /var/tmp, /dev/shm, /run
+    and /run/lock. Nothing else of the host exists in there: no
     /home, /root, /var, /srv, /sys or project folder, so no host unix socket (those live in /run,
     /tmp, /var and home folders) can be reached, whatever its permissions. The old root is
     detached, then the new root is made read-only.
@@ -111,6 +112,7 @@ def mount_script(python: str = "") -> str:
     r = _staging(python)
     lines = ["set -e", 'PATH="$PATH:/usr/sbin:/sbin:/usr/bin:/bin"',
              'if [ -n "$SANDBOX_CGROUP_PROCS" ]; then echo 0 > "$SANDBOX_CGROUP_PROCS"; fi',
+             'if [ -n "$SANDBOX_PIDS_CGROUP_PROCS" ]; then echo 0 > "$SANDBOX_PIDS_CGROUP_PROCS"; fi',
              f"mount -t tmpfs -o size=4m,mode=755,nosuid,nodev tmpfs {r}",
              f"mkdir -p {r}/proc {r}/dev {r}/var {r}/old-root"]
     if rebinds(python):

@@ -112,7 +112,9 @@ def _lost(e: WorkerDied, seconds: float, queue_seconds: float, total: float) -> 
 
 
 def _result(worker: Worker, reply: dict, queue_seconds: float, total: float) -> CellResult:
-    return from_reply(reply, queue_seconds, total, worker.new_oom_kills(), worker.config.limits.memory_mb)
+    limits = worker.config.limits
+    return from_reply(reply, queue_seconds, total, worker.new_oom_kills(), limits.memory_mb,
+                      worker.new_task_limit_hits(), limits.max_processes)
 
 
 def _memory_check(mechanism: str) -> str:
@@ -428,6 +430,7 @@ class Session:
                 reply = w.request({"op": "run", "code": code, "timeout": min(timeout, left)}, min(timeout, left))
             except WorkerDied:
                 return i, True
+            w.new_oom_kills(), w.new_task_limit_hits()  # the replayed cell's, reported with it already: not the next cell's
             if reply.get("crashed") or not reply["clean"]:
                 return i, True
             if reply["status"]["kind"] == "timeout":

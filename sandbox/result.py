@@ -131,8 +131,14 @@ KILL_REASONS = {"SIGXCPU": "CPU time limit", "SIGXFSZ": "file size limit"}
 
 
 def from_reply(reply: dict[str, Any], queue_seconds: float, total_seconds: float, oom_kills: int = 0,
-               memory_mb: int = 0) -> CellResult:
-    """The CellResult of a checked worker reply; `oom_kills` > 0 when the cgroup killed for memory."""
+               memory_mb: int = 0, task_limit_hits: int = 0, max_processes: int = 0) -> CellResult:
+    """The CellResult of a checked worker reply; `oom_kills` > 0 when the cgroup killed for memory,
+    `task_limit_hits` > 0 when it refused forks or thread starts (pids.max).
+
+    A cell that runs into the thread and process limit fails in ways that do not name it ("can't
+    start new thread", BlockingIOError on fork, or a loop that retries until the time limit), so
+    the result says it in words, whatever its status.
+    """
     out = Stream(**reply["stdout"])
     err = Stream(**reply["stderr"])
     st = reply["status"]
@@ -154,6 +160,9 @@ def from_reply(reply: dict[str, Any], queue_seconds: float, total_seconds: float
         status = "error"
     if oom_kills and not reason:
         reason = f"a process of the cell was killed: memory limit of {memory_mb} MB exceeded"
+    if task_limit_hits:
+        tasks = f"too many threads or processes: the limit is {max_processes} for a cell and all it starts"
+        reason = f"{reason}; {tasks}" if reason else tasks
     note = f"[{reason}]" if reason and status != "killed" else ""
     return CellResult(status, out, err, code, sig, reply.get("seconds", 0.0), queue_seconds, total_seconds,
                       note=note, reason=reason if status == "killed" else "")

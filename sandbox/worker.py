@@ -32,6 +32,9 @@ STARTUP_SECONDS = 60.0
 GRACE_SECONDS = 3.0  # beyond a cell's own timeout before the host kills the whole worker
 KILL_WAIT_SECONDS = 5.0
 MAX_REPLY_BYTES = 16 << 20  # replies carry capped output only; more without a newline is garbage
+# With a pids cgroup, pids.max is the thread and process limit (it counts what it refuses);
+# RLIMIT_NPROC then stays one above it, so that it never refuses first.
+TASK_RLIMIT_SLACK = 1
 THREAD_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 _request_ids = itertools.count(1)
 
@@ -91,7 +94,7 @@ class Worker:
         self._scratch: str | None = None
         self._init_fd: int | None = None
         self.cgroup: CellGroup | None = CellGroup.create() if mechanism == "namespaces" else None
-        self._oom_seen = 0
+        self._oom_seen = self._task_hits_seen = 0
         isolated = mechanism == "namespaces"
         if isolated:
             workdir = "/tmp/cell"
@@ -99,17 +102,21 @@ class Worker:
             self._scratch = tempfile.mkdtemp(prefix="sandbox-")
             workdir = os.path.join(self._scratch, "cell")
         python = config.python or sys.executable
+        counted = self.cgroup is not None and self.cgroup.pids_path is not None
         cfg = {
             "mode": mode, "workdir": workdir, "uid": isolation.slot_uid(slot, mechanism),
             "limits": config.limits.as_dict(), "preimports": list(config.preimports),
             "capture_bytes": config.capture_bytes, "env": THREAD_ENV, "isolate_ipc": isolated,
+            "task_rlimit": config.limits.max_processes + (TASK_RLIMIT_SLACK if counted else 0),
             "fresh": {"tmpfs": list(isolation.PRIVATE_TMP), "tmpfs_mb": config.limits.tmpfs_mb,
                       "rebind": isolation.rebinds(config.python)} if isolated else None,
         }
         argv = isolation.wrap([python, "-I", "-c", _worker_source(), json.dumps(cfg)], mechanism, config.python)
         self._stderr = tempfile.TemporaryFile()
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "SANDBOX_TMPFS_MB": str(config.limits.tmpfs_mb),
-               "SANDBOX_CGROUP_PROCS": self.cgroup.procs_file if self.cgroup else "", "LANG": "C.UTF-8", **THREAD_ENV}
+               "SANDBOX_CGROUP_PROCS": self.cgroup.procs_file if self.cgroup else "",
+               "SANDBOX_PIDS_CGROUP_PROCS": self.cgroup.pids_procs_file if self.cgroup else "",
+               "LANG": "C.UTF-8", **THREAD_ENV}
         try:
             self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
                                          env=env, start_new_session=True, close_fds=True)
@@ -124,11 +131,15 @@ class Worker:
             if not hello.get("ready"):
                 raise WorkerDied(f"sandbox worker did not start: {hello} {self._startup_error()}")
             self._attach_init()
+            if self.cgroup is not None:
+                self.cgroup.limit_memory(config.limits.memory_mb << 20)
+                # a session's interpreter already runs: its main thread is the cell's own
+                own = 1 if mode == "session" else 0
+                if counted and not self.cgroup.limit_tasks(config.limits.max_processes - own):
+                    raise WorkerDied("sandbox worker's thread and process limit could not be set")
         except BaseException:
             self.close()
             raise
-        if self.cgroup is not None:
-            self.cgroup.limit_memory(config.limits.memory_mb << 20)
         self.info = hello
 
     def _attach_init(self) -> None:
@@ -208,6 +219,14 @@ class Worker:
             return 0
         n = self.cgroup.oom_kills()
         new, self._oom_seen = n - self._oom_seen, n
+        return new
+
+    def new_task_limit_hits(self) -> int:
+        """Forks and thread starts the task limit refused since the last call (0 without a pids cgroup)."""
+        if self.cgroup is None:
+            return 0
+        n = self.cgroup.task_limit_hits()
+        new, self._task_hits_seen = n - self._task_hits_seen, n
         return new
 
     def kill(self) -> None:

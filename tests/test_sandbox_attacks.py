@@ -145,7 +145,7 @@ def test_pool_close_ends_every_session_and_worker():
     assert s.run("import threading, os\nthreading.Thread(target=lambda: [None for _ in iter(int, 1)]).start()").ok
     workers = list(p._idle.queue) + [s._worker]
     inits = [w.init_pid for w in workers]
-    groups = [w.cgroup.path for w in workers if w.cgroup is not None]
+    groups = [p for w in workers if w.cgroup is not None for p in (w.cgroup.path, w.cgroup.pids_path) if p]
     r = p.run(detached_spinner(marker) + "while True:\n    pass", timeout=1)
     assert r.status == "timeout"
     p.close()
@@ -176,10 +176,10 @@ def test_workers_die_with_the_harness(tmp_path):
     assert not Path(f"/proc/{init}").exists()
     from sandbox import cgroup
 
-    version, base, _ = cgroup.available()
-    if version is not None:  # the dead harness's groups are removed by the next one that starts
-        cgroup._remove_stale(base)
-        assert [n for n in os.listdir(base) if n.startswith(f"{cgroup.PREFIX}{proc.pid}-")] == []
+    for version, base, _ in (cgroup.available(), cgroup.pids_available()):
+        if version is not None:  # the dead harness's groups are removed by the next one that starts
+            cgroup._remove_stale(base)
+            assert [n for n in os.listdir(base) if n.startswith(f"{cgroup.PREFIX}{proc.pid}-")] == []
 
 
 # ---- 2. no host filesystem socket is reachable
@@ -332,10 +332,7 @@ def test_shared_memory_counts_against_the_memory_limit(pool):
 
 # ---- 4. the session control channel and runner are out of reach
 
-FORGE = [
-    # write forged replies to every descriptor the cell can see
-    "import os\nfor fd in range(256):\n    try:\n        os.write(fd, b'{\"id\": \"x\", \"status\": {\"kind\": \"exit\", \"code\": 0}}\\n')\n"
-    "    except OSError:\n        pass\nprint('FORGED')",
+FORGE = [  # (writing forged replies to every descriptor: test_session_cell_cannot_use_the_control_channel)
     # break the serializer the runner uses
     "import json\njson.dumps = lambda *a, **k: 'garbage'\nprint('FORGED')",
     # replace the runner's reply with a well-formed one for another cell
@@ -345,7 +342,7 @@ FORGE = [
 ]
 
 
-@pytest.mark.parametrize("attack", FORGE, ids=["write-all-fds", "json-dumps", "forged-frame", "silent-runner"])
+@pytest.mark.parametrize("attack", FORGE, ids=["json-dumps", "forged-frame", "silent-runner"])
 def test_session_cell_cannot_forge_or_misattribute_results(pool, attack):
     with pool.session() as s:
         assert s.run("x = 7").ok
@@ -354,6 +351,91 @@ def test_session_cell_cannot_forge_or_misattribute_results(pool, attack):
         assert r.total_seconds < 3
         for k in range(3):
             r = s.run(f"print('cell', {k}, x)", timeout=5)
+            assert r.status == "ok" and r.stdout.text == f"cell {k} 7\n", r
+
+
+# Every descriptor a session cell could reach the control channel by: fd numbers of its own process
+# and every link under /proc/*/task/*/fd (other threads' tables, other processes it can read).
+REACH = textwrap.dedent("""
+    import fcntl, glob, os, select, threading
+    JUNK = b'\\xff\\xff\\xff\\x7fgarbage'  # a frame header announcing 2 GiB, then nonsense
+    def links(flags):
+        out = []
+        for path in glob.glob('/proc/*/task/*/fd/*'):
+            try:
+                out.append(os.open(path, flags | os.O_NONBLOCK))
+            except OSError:
+                pass
+        return out
+    def open_fds():
+        out = []
+        for fd in range(3, 1024):
+            try:
+                out.append((fd, fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE))
+            except OSError:
+                pass
+        return out
+    def write_all():
+        for fd in [fd for fd, _ in open_fds()] + links(os.O_WRONLY):
+            try:
+                os.write(fd, JUNK)
+            except OSError:
+                pass
+    def read_all(block):
+        for fd in [fd for fd, _ in open_fds()] + links(os.O_RDONLY):
+            try:
+                os.set_blocking(fd, block)
+                os.read(fd, 1 << 16)
+            except OSError:
+                pass
+    def close_all():
+        for fd in range(3, 1024):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    def background(job, *args):
+        threading.Thread(target=job, args=args, daemon=True).start()
+""")
+CHANNEL_ATTACKS = {
+    # garbage to every descriptor, during this cell
+    "write": "write_all()",
+    # garbage to every descriptor once anything readable arrives (the next cell's request, if the
+    # channel is reachable), so it lands inside the next cell's exchange
+    "write-later": "def later():\n    select.select([fd for fd, _ in open_fds()], [], [])\n    write_all()\n"
+                   "background(later)",
+    # read every descriptor now (non-blocking), and from threads blocking on each one, stealing
+    # whatever arrives (the next cell's request, if they could reach it)
+    "read": "read_all(False)\nfor _ in range(4):\n    background(read_all, True)",
+    # close every descriptor, then keep closing from a thread while the next cells run
+    "close": "close_all()\nbackground(lambda: [close_all() for _ in iter(int, 1)])",
+    # replace every readable descriptor with a pipe that never answers
+    "replace": "jam, keep = os.pipe()\nfor fd, mode in open_fds():\n    if fd not in (jam, keep) and mode == os.O_RDONLY:\n"
+               "        os.dup2(jam, fd)",
+    # a forked copy of the cell returns into the runner with whatever it inherited
+    "fork": "pid = os.fork()\nprint('child' if pid == 0 else 'parent')",
+    # copy every descriptor of every thread of this process (pidfd_getfd on thread pidfds, Linux
+    # 6.9+), then quietly read from all of them in the background
+    "pidfd-getfd": "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                   "for tid in set(map(int, os.listdir('/proc/self/task'))) - {os.getpid()}:\n"
+                   "    pidfd = libc.syscall(434, tid, os.O_EXCL)  # pidfd_open(tid, PIDFD_THREAD)\n"
+                   "    for fd in range(16):\n        libc.syscall(438, pidfd, fd, 0)  # pidfd_getfd\n"
+                   "background(read_all, True)",
+}
+
+
+@pytest.mark.parametrize("attack", list(CHANNEL_ATTACKS), ids=list(CHANNEL_ATTACKS))
+def test_session_cell_cannot_use_the_control_channel(pool, attack):
+    """A cell that writes to, reads from or closes the session's control channel (by any fd it can
+    find) must not cost the next, innocent cell anything: it runs normally, with its state. The
+    innocent cells get a time limit far above their need, so a stolen request or a jammed channel
+    shows as status 'timeout', never as a slow pass."""
+    with pool.session() as s:
+        assert s.run("x = 7").ok
+        r = s.run(REACH + CHANNEL_ATTACKS[attack], timeout=5)  # never raises
+        assert r.status == "ok" and not r.restarted, r  # the channel was never reached, nothing to restart
+        for k in range(3):
+            r = s.run(f"print('cell', {k}, x)", timeout=10)
             assert r.status == "ok" and r.stdout.text == f"cell {k} 7\n", r
 
 
@@ -383,8 +465,21 @@ def test_garbled_or_out_of_order_replies_are_a_dead_worker(pool):
 
 # ---- 5. every pool cell starts from a clean state
 
+def interpreter_bind_points(folder: str, python: str = "") -> list[str]:
+    """Names in the private folder `folder` that are the interpreter's own read-only binds, not files.
+
+    A checkout (and so its venv) under /tmp is bound read-only at its own path inside the cell's
+    fresh /tmp (see isolation.rebinds), so `os.listdir('/tmp')` shows its first path component.
+    """
+    prefix = folder.rstrip("/") + "/"
+    return sorted({dst[len(prefix):].split("/")[0] for _, dst in isolation.rebinds(python) if dst.startswith(prefix)})
+
+
 def test_pool_cells_do_not_see_each_others_files(pool):
     places = ["/tmp", "/dev/shm", "/var/tmp", "/run/lock", "."]
+    workdir = "/tmp/cell"  # the cell's working directory, a new one per cell
+    expected = [sorted(["cell"] + interpreter_bind_points("/tmp", pool.config.python))]
+    expected += [interpreter_bind_points(workdir if d == "." else d, pool.config.python) for d in places[1:]]
     r = pool.run(textwrap.dedent(f"""
         import os
         for d in {places!r}:
@@ -403,7 +498,7 @@ def test_pool_cells_do_not_see_each_others_files(pool):
         open('/tmp/mine', 'wb').write(b'1' * (8 << 20))
         print('wrote')
     """))
-    assert r.stdout.text == "[['cell'], [], [], [], []]\nwrote\n", r.feedback()  # /tmp/cell is the new cwd
+    assert r.stdout.text == f"{expected}\nwrote\n", r.feedback()  # /tmp/cell is the new cwd
 
 
 def test_metadata_left_on_the_working_directory_does_not_pass(pool):
@@ -512,6 +607,60 @@ def test_session_restore_is_bounded_by_the_replay_budget():
             assert "only 2 of 3" in r.feedback(), r.feedback()
     finally:
         p.close()
+
+
+# ---- 9. a cell that runs into the thread and process limit is told so
+
+TASKS = 8  # a small limit: reached long before the address space runs out (8 MiB of stack per thread)
+
+BOMBS = {
+    # threads until starting one fails ("can't start new thread")
+    "threads": ("import threading, time\nwhile True:\n    threading.Thread(target=time.sleep, args=(60,), daemon=True).start()", 5),
+    # every process forks until forking fails (BlockingIOError)
+    "processes": ("import os\nwhile True:\n    os.fork()", 5),
+    # a fork loop that swallows the failures and so runs into its time limit
+    "processes-until-timeout": ("import os, time\nwhile True:\n    try:\n        if os.fork() == 0:\n            time.sleep(60)\n"
+                                "            os._exit(0)\n    except OSError:\n        pass", 1),
+}
+
+
+@pytest.fixture(scope="module")
+def small_pool():
+    p = SandboxPool(SandboxConfig(pool_size=1, limits=Limits(wall_seconds=5, max_processes=TASKS), **FAST))
+    w = idle_worker(p)
+    if w.cgroup is None or w.cgroup.pids_path is None:
+        p.close()
+        pytest.skip("no writable pids cgroup on this machine: the limit binds (RLIMIT_NPROC) but counts nothing")
+    yield p
+    p.close()
+
+
+@pytest.mark.parametrize("bomb", list(BOMBS))
+def test_thread_and_process_bombs_are_told_the_limit(small_pool, bomb):
+    code, timeout = BOMBS[bomb]
+    said = f"too many threads or processes: the limit is {TASKS}"
+    r = small_pool.run(code, timeout=timeout)
+    assert r.status in ("error", "timeout", "killed") and said in r.feedback(), r
+    r = small_pool.run("print(6 * 7)")
+    assert r.status == "ok" and r.stdout.text == "42\n" and said not in r.feedback(), r  # counted once, for its cell
+    with small_pool.session() as s:
+        assert s.run("x = 7").ok
+        r = s.run(code, timeout=timeout)
+        assert r.status in ("error", "timeout", "killed") and said in r.feedback(), r
+        r = s.run("print(x)", timeout=10)
+        assert r.status == "ok" and r.stdout.text == "7\n" and said not in r.feedback(), r
+
+
+def test_the_thread_and_process_limit_counts_the_cell_itself(small_pool):
+    """`max_processes` threads and processes for a cell, its own main thread included, in pool cells and sessions."""
+    code = ("import threading, time\nn = 0\ntry:\n    while n < 100:\n"
+            "        threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n        n += 1\n"
+            "except RuntimeError:\n    pass\nprint(n)")
+    r = small_pool.run(code)
+    assert r.stdout.text == f"{TASKS - 1}\n" and "limit is" in r.feedback(), r
+    with small_pool.session() as s:
+        r = s.run(code)
+        assert r.stdout.text == f"{TASKS - 1}\n" and "limit is" in r.feedback(), r
 
 
 # ---- the smaller items
