@@ -37,6 +37,16 @@ def hang_guard():
         signal.signal(signal.SIGALRM, old)
 
 
+def wait_for(cond, timeout: float = 30.0) -> bool:
+    """Poll `cond` until it holds (True) or `timeout` seconds pass (False)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return False
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

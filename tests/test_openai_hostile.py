@@ -20,16 +20,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 httpx2 = pytest.importorskip("httpx2")
 
-from openai_servers import ServerProcess, free_port, hang_guard  # noqa: E402,F401
-
-
-def wait_for(cond, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return False
+from openai_servers import ServerProcess, free_port, hang_guard, wait_for  # noqa: E402,F401
 
 
 class InProcessServer:

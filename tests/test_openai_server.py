@@ -15,7 +15,7 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
-from openai_servers import ServerProcess, free_port, hang_guard  # noqa: E402,F401
+from openai_servers import ServerProcess, free_port, hang_guard, wait_for  # noqa: E402,F401
 from server.protocol import Request, SamplingParams, collect  # noqa: E402
 
 
@@ -46,15 +46,6 @@ def local(tiny_models):
 def greedy_local(local, prompt, n=24, **kw):
     _, final = asyncio.run(collect(local, Request(list(prompt), SamplingParams(temperature=0, max_tokens=n, **kw))))
     return final
-
-
-def wait_for(cond, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_models_health_and_greedy_token_ids_equal_the_engine(server, client, local):

@@ -630,7 +630,10 @@ def small_pool():
     w = idle_worker(p)
     if w.cgroup is None or w.cgroup.pids_path is None:
         p.close()
-        pytest.skip("no writable pids cgroup on this machine: the limit binds (RLIMIT_NPROC) but counts nothing")
+        from sandbox import cgroup
+
+        why = f"memory: {cgroup.available()[2]}; pids: {cgroup.pids_available()[2]}; worker group: {w.cgroup}"
+        pytest.skip(f"no writable pids cgroup for this worker ({why}): the limit binds (RLIMIT_NPROC) but counts nothing")
     yield p
     p.close()
 

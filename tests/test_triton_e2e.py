@@ -243,14 +243,9 @@ def stream_infer(server: Server, values: dict, timeout: float = 60.0) -> tuple[l
 
     import tritonclient.grpc as grpcclient
 
-    from server.triton.interface import INPUTS
+    from server.triton.engine import infer_inputs
 
-    types = {f.name: f.triton_type for f in INPUTS}
-    inputs = []
-    for name, arr in values.items():
-        x = grpcclient.InferInput(name, list(arr.shape), types[name])
-        x.set_data_from_numpy(arr)
-        inputs.append(x)
+    inputs = infer_inputs(values)
     got: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(server.url)
     client.start_stream(callback=lambda result, error: got.put((result, error)))
