@@ -13,6 +13,9 @@ FORCE   ?=
 # where the embedded engine runs for solve/eval/bench/kaggle/triton: empty = the recipe's serving.device (auto)
 DEVICE  ?=
 export EMBEDDED_DEVICE = $(DEVICE)
+# 1: the embedded engine's deterministic mode (same greedy tokens alone and in any batch), 0: off; empty: the recipe's
+DETERMINISTIC ?=
+export EMBEDDED_DETERMINISTIC = $(DETERMINISTIC)
 TB      := TRTBUILD_FORCE=$(FORCE) $(PY) -m trtbuild --recipe $(RECIPE)
 SETUP   := $(VENV)/.setup-done
 PYTEST_ARGS ?=
@@ -48,7 +51,7 @@ help:
 	@echo "make solve MODEL=mix       build if needed, then solve PROBLEMS=$(PROBLEMS) (results table, runs/$(MODEL)/)"
 	@echo "make triton MODEL=mix      serve the embedded engine behind a real Triton server (PyTriton); BACKEND=trtllm: tensorrtllm_backend repo + launch"
 	@echo "make solve BACKEND=triton  solve through a running Triton server (TRITON_URL=$(TRITON_URL))"
-	@echo "make serve MODEL=mix       OpenAI-compatible HTTP server on http://$(HOST):$(PORT)/v1 (BACKEND=auto|embedded|trtllm|triton|openai)"
+	@echo "make serve MODEL=mix       OpenAI-compatible HTTP server on http://$(HOST):$(PORT)/v1 (BACKEND=auto|embedded|trtllm|triton|openai; DETERMINISTIC=1: batch-invariant greedy)"
 	@echo "make solve BACKEND=openai URL=h1:8000,h2:8000   solve through OpenAI-compatible servers (trtllm-serve, vLLM, SGLang, make serve)"
 	@echo "make eval MODEL=mix        K samples per problem for each variant (DATA=, K=, VARIANTS=, TOOL_SETTINGS=), report + plots + replay"
 	@echo "make kaggle MODEL=mix      Kaggle dataset folder + notebook ($(OUT)/kaggle; DATASET=<slug> names the dataset, default aimo-trt; KAGGLE_PYTHON=3.11 the image's Python), then the notebook run offline with the local gateway"

@@ -30,11 +30,13 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 
+from server.embedded import deterministic
 from server.embedded.runner import SlotRunner, draft_then_verify
 from server.embedded.sampler import make_generator, sample, sample_device
 from server.embedded.speculative import DEFAULT_MAX_BATCH, SpecConfig, accept_device, accept_host, top_logprobs
@@ -93,6 +95,7 @@ class _Seq:
     kv_len: int = 0  # tokens whose KV is in the slot
     pending: Optional[int] = None  # sampled, not yet in the cache
     max_new: int = 0
+    canonical: int = 0  # deterministic mode: leading positions whose KV came from whole aligned prefill chunks
     hidden: Optional[torch.Tensor] = None  # the target's normed hidden state that produced `pending` (drafting)
 
     @property
@@ -159,7 +162,7 @@ class EmbeddedEngine(EngineBase):
                  max_input_len: Optional[int] = None, prefix_reuse: bool = True, threads: Optional[int] = None,
                  load: Optional[Callable[[], tuple[Any, Any]]] = None, device: str = "auto",
                  runner: str = "auto", compile: bool = False, drafter: Any = None,
-                 speculative: Optional[SpecConfig] = None):
+                 speculative: Optional[SpecConfig] = None, deterministic: bool = False):
         """Either a loaded (model, tokenizer) or `load`, which the engine thread runs itself.
 
         All torch work belongs on the engine thread: measured here, a second thread with its own
@@ -167,12 +170,22 @@ class EmbeddedEngine(EngineBase):
         2x slower on a 2-core CPU. `from_dir` therefore loads inside the engine thread.
         `runner`: auto (graph on CUDA, slot on CPU), graph or slot; `compile`: torch.compile the
         graph runner's elementwise work. `drafter` (a ReDrafter module or its folder) with
-        `speculative` turns on speculative decoding.
+        `speculative` turns on speculative decoding. `deterministic`: a request's tokens do not depend
+        on what else runs (server/embedded/deterministic.py: the slot runner, one row at a time,
+        aligned prefill chunks, no drafting).
         """
         if runner not in ("auto", "graph", "slot"):
             raise ValueError(f"EmbeddedEngine: runner must be auto, graph or slot (got {runner!r})")
+        if deterministic and runner == "graph":
+            raise ValueError("EmbeddedEngine: deterministic mode runs on the slot runner (runner='slot' or 'auto')")
         self.device = resolve_device(device)
-        self.runner_kind = runner if runner != "auto" else ("graph" if self.device.type == "cuda" else "slot")
+        self.deterministic = deterministic
+        self.runner_kind = runner if runner != "auto" else (
+            "graph" if self.device.type == "cuda" and not deterministic else "slot")
+        if deterministic and drafter is not None:
+            print("[embedded] deterministic mode: speculative decoding off (a verify is another shape)",
+                  file=sys.stderr, flush=True)
+            drafter, speculative = None, None
         self.compile = compile
         if (model is None) == (load is None):
             raise ValueError("EmbeddedEngine: pass either model and tokenizer, or load")
@@ -299,6 +312,7 @@ class EmbeddedEngine(EngineBase):
             serving = spec.get("serving") or {}
             kw = dict(max_batch_size=limits["max_batch_size"], max_seq_len=limits["max_seq_len"],
                       max_input_len=limits["max_input_len"], device=serving.get("device", "auto"),
+                      deterministic=bool(serving.get("deterministic", False)),
                       **speculation(engine_dir, spec, overrides.pop("speculative", None),
                                     overrides.pop("speculative_max_batch", None)))
         elif (engine_dir / "config.json").is_file():
@@ -309,6 +323,11 @@ class EmbeddedEngine(EngineBase):
                                     "(config.json); run `make engine` first")
         if os.environ.get(DEVICE_ENV):
             kw["device"] = os.environ[DEVICE_ENV]  # a command's override (make ... DEVICE=cpu)
+        env = os.environ.get(deterministic.ENV, "")
+        if env:
+            if env not in ("0", "1"):
+                raise ValueError(f"{deterministic.ENV}={env!r}: expected 0 or 1")
+            kw["deterministic"] = env == "1"
         kw.update(overrides)
         return cls(load=lambda: (load_model(model_dir), load_tokenizer(model_dir)), **kw)
 
@@ -429,9 +448,10 @@ class EmbeddedEngine(EngineBase):
 
     # slots: active sequences occupy 0..len(active)-1; the rest are parked (KV kept for reuse)
     def _slot_tokens(self, slot: int) -> list[int]:
+        """The tokens whose KV a new request may reuse from `slot` (deterministic mode: canonical KV only)."""
         if slot < len(self._active):
             s = self._active[slot]
-            return s.tokens[:s.kv_len]
+            return s.tokens[:s.canonical if self.deterministic else s.kv_len]
         return self._parked.get(slot, ([], 0.0))[0]
 
     def _move_parked(self, src: int, dst: int) -> None:
@@ -465,6 +485,8 @@ class EmbeddedEngine(EngineBase):
                     i = 0
                     while i < m and toks[i] == seq.prompt[i]:
                         i += 1
+                    if self.deterministic:
+                        i = deterministic.reusable(i)
                     if i > best_len or (i == best_len and i > 0 and s >= slot and best < slot):
                         best, best_len = s, i
             if best >= slot:  # a parked slot: take it over
@@ -482,12 +504,13 @@ class EmbeddedEngine(EngineBase):
             self.stats.cached_tokens += best_len
             t0 = time.perf_counter()
             out = None
-            chunk = 512
+            chunk = deterministic.CHUNK if self.deterministic else 512  # best_len is a multiple of CHUNK there
             for start in range(best_len, n, chunk):
                 out = self.runner.prefill(slot, seq.prompt[start:start + chunk], start, hidden=self.spec is not None)
             self.stats.forward_seconds += time.perf_counter() - t0
             self.stats.prefill_tokens += n - best_len
             seq.kv_len = n
+            seq.canonical = deterministic.canonical_length(n)
             if self.spec is not None:
                 self._sampled([seq], out[0].unsqueeze(0), out[1].unsqueeze(0))
             else:
@@ -502,8 +525,8 @@ class EmbeddedEngine(EngineBase):
             self._decode_speculative()
             return
         t0 = time.perf_counter()
-        out = self.runner.decode([s.pending for s in self._active], [s.kv_len for s in self._active],
-                                 hidden=self.spec is not None)
+        decode = partial(deterministic.decode_rows, self.runner) if self.deterministic else self.runner.decode
+        out = decode([s.pending for s in self._active], [s.kv_len for s in self._active], hidden=self.spec is not None)
         logits, hidden = out if self.spec is not None else (out, None)
         self.stats.forward_seconds += time.perf_counter() - t0
         self.stats.steps += 1
@@ -612,5 +635,6 @@ class EmbeddedEngine(EngineBase):
                 self.runner.swap(i, last, max(seq.kv_len, other.kv_len))
                 self._active[i], other.slot = other, i
             self._active.pop()
-            self._parked[last] = (seq.tokens[:seq.kv_len], time.monotonic())
+            kept = seq.canonical if self.deterministic else seq.kv_len
+            self._parked[last] = (seq.tokens[:kept], time.monotonic())
         seq.stream.finish(reason, error)  # type: ignore[arg-type]

@@ -154,15 +154,16 @@ class SlotRunner:
         return self._head(h[0, -1], hidden)
 
     @torch.inference_mode()
-    def decode(self, token_ids: list[int], positions: list[int], hidden: bool = False) -> Any:
-        """One token for each slot 0..n-1 at its position; logits [n, V] (and hidden [n, H])."""
+    def decode(self, token_ids: list[int], positions: list[int], hidden: bool = False, first_slot: int = 0) -> Any:
+        """One token for each slot first_slot..first_slot+n-1 at its position; logits [n, V] (and hidden
+        [n, H])."""
         n = len(token_ids)
         longest = max(positions) + 1
         self.ensure_capacity(longest)
         dev = self.device
         ids = torch.tensor(token_ids, dtype=torch.long, device=dev).view(n, 1)
         pos = torch.tensor(positions, dtype=torch.long, device=dev).view(n, 1)
-        rows = torch.arange(n, device=dev)
+        rows = torch.arange(first_slot, first_slot + n, device=dev)
         h = self.inner.embed_tokens(ids)
         cos, sin = self.inner.rotary_emb(h, pos)
         mask = (torch.arange(longest, device=dev).unsqueeze(0) <= pos).view(n, 1, 1, longest)
@@ -171,7 +172,7 @@ class SlotRunner:
             cache[rows, :, pos[:, 0]] = new[:, :, 0]
 
         def read(cache: torch.Tensor) -> torch.Tensor:
-            return cache[:n, :, :longest]
+            return cache[first_slot:first_slot + n, :, :longest]
 
         for i, layer in enumerate(self.layers):
             h = self._attention_layer(i, layer, h, cos, sin, write, read, mask)

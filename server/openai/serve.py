@@ -62,6 +62,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--max-seq-len", type=int, default=None, help="override the engine's limit (embedded)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads of the embedded engine")
     ap.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="embedded engine: the same greedy tokens for a request alone and in any batch (slower; README)")
     ap.add_argument("--max-request-bytes", type=int, default=None,
                     help="refuse bodies over this size with 413 (default 8 MiB: a 128k-token prompt as JSON ids is ~1 MB)")
     args = ap.parse_args(argv)
@@ -72,6 +74,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ImportError as e:
         print(f"serve: {e}; install the pinned environment (`make setup`)", file=sys.stderr)
         return 2
+    if args.deterministic:
+        if args.backend not in ("auto", "embedded"):
+            print(f"serve: --deterministic is the embedded engine's mode (not --backend {args.backend})", file=sys.stderr)
+            return 2
+        import os
+
+        from server.embedded.deterministic import ENV
+
+        os.environ[ENV] = "1"
     try:
         load, name = engine_loader(args)
     except (ValueError, FileNotFoundError) as e:

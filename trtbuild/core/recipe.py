@@ -256,6 +256,10 @@ class ServingSpec:
     solver: SolverSpec = field(default_factory=SolverSpec)
     budget: BudgetSpec = field(default_factory=BudgetSpec)
     speculative: SpeculativeSpec = field(default_factory=SpeculativeSpec)
+    # the embedded engine's deterministic mode: temperature-0 output token for token the same alone and in
+    # any batch (server/embedded/deterministic.py; its price in the README); EMBEDDED_DETERMINISTIC=0|1
+    # (make ... DETERMINISTIC=1) overrides it for one command
+    deterministic: bool = False
 
 
 # answers are reported modulo this per competition: AIMO-2 asked for 0-999, AIMO-3 for 0-99999
