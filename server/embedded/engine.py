@@ -36,7 +36,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from server.embedded import deterministic
+import server.embedded.deterministic as deterministic
 from server.embedded.runner import SlotRunner, draft_then_verify
 from server.embedded.sampler import make_generator, sample, sample_device
 from server.embedded.speculative import DEFAULT_MAX_BATCH, SpecConfig, accept_device, accept_host, top_logprobs
