@@ -167,7 +167,8 @@ class Solver:
     async def solve(self, problem_id: str, problem: str, deadline: Optional[float] = None,
                     expected: Optional[int] = None) -> SolveResult:
         t0 = time.monotonic()
-        ended, rule = await self._attempt(problem_id, problem, deadline, 0)
+        prompt = self.engine.tokenize(self.engine.chat_prompt(problem, self.system_prompt))
+        ended, rule = await self._attempt(problem_id, problem, prompt, deadline, 0)
         attempts, lost = 1, tool_failure(ended)
         why = lost
         while why and attempts <= MAX_TOOL_RETRIES and self._time_left(deadline) >= MIN_RETRY_SECONDS:
@@ -175,7 +176,7 @@ class Solver:
             if broken:
                 lost = f"{lost}; no retry: {broken}"
                 break
-            again, rule = await self._attempt(problem_id, problem, deadline, attempts)
+            again, rule = await self._attempt(problem_id, problem, prompt, deadline, attempts)
             attempts += 1
             ended += again
             why = tool_failure(again)
@@ -200,12 +201,11 @@ class Solver:
             return f"the sandbox probe cell ended {r.status} ({r.reason or r.fault or r.stderr.text[:200]})"
         return None
 
-    async def _attempt(self, problem_id: str, problem: str, deadline: Optional[float],
+    async def _attempt(self, problem_id: str, problem: str, prompt: list[int], deadline: Optional[float],
                        attempt: int) -> tuple[list[SampleTrace], str]:
         """One try: the samples (in the order they ended) and the rule that stopped them. A retry
         (`attempt` > 0) draws other seeds and numbers its samples after the earlier tries'."""
         cfg = self.config
-        prompt = self.engine.tokenize(self.engine.chat_prompt(problem, self.system_prompt))
         key = problem_id if not attempt else f"{problem_id}#{attempt + 1}"
         base_seed = zlib.crc32(f"{key}\n{problem}".encode()) % 100_000
         first = attempt * cfg.samples

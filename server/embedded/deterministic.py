@@ -31,14 +31,10 @@ CHUNK = 16  # aligned prefill chunk: the reuse granularity (a prompt re-prefills
 ENV = "EMBEDDED_DETERMINISTIC"  # 0 or 1: overrides serving.deterministic for one command
 
 
-def canonical_length(prefilled: int) -> int:
-    """Positions of a prefill of `prefilled` tokens (from 0, in aligned chunks) whose KV is canonical."""
-    return prefilled // CHUNK * CHUNK
-
-
-def reusable(matched: int) -> int:
-    """How much of a matched canonical prefix a new request may keep: whole chunks only."""
-    return matched // CHUNK * CHUNK
+def whole_chunks(n: int) -> int:
+    """The first `n` positions cut to whole aligned chunks: the canonical part of a prefill of `n`
+    tokens from 0, and how much of an `n`-token matched prefix a new request may keep."""
+    return n // CHUNK * CHUNK
 
 
 def decode_rows(runner: Any, token_ids: list[int], positions: list[int], hidden: bool = False) -> Any:

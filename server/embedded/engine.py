@@ -486,7 +486,7 @@ class EmbeddedEngine(EngineBase):
                     while i < m and toks[i] == seq.prompt[i]:
                         i += 1
                     if self.deterministic:
-                        i = deterministic.reusable(i)
+                        i = deterministic.whole_chunks(i)
                     if i > best_len or (i == best_len and i > 0 and s >= slot and best < slot):
                         best, best_len = s, i
             if best >= slot:  # a parked slot: take it over
@@ -510,7 +510,7 @@ class EmbeddedEngine(EngineBase):
             self.stats.forward_seconds += time.perf_counter() - t0
             self.stats.prefill_tokens += n - best_len
             seq.kv_len = n
-            seq.canonical = deterministic.canonical_length(n)
+            seq.canonical = deterministic.whole_chunks(n)
             if self.spec is not None:
                 self._sampled([seq], out[0].unsqueeze(0), out[1].unsqueeze(0))
             else:
