@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from trtbuild.core.recipe import MergeSpec
+from aimo_spec.recipe import MergeSpec
 
 
 def mergekit_config(spec: MergeSpec, source_dirs: dict[str, Path]) -> dict[str, Any]:

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Optional
 
-from server.protocol import SamplingParams
-from trtbuild.core.recipe import ServingSpec, ToolSpec
+from aimo_spec.protocol import SamplingParams
+from aimo_spec.recipe import ServingSpec, ToolSpec
 
 
 def sampling_params(serving: ServingSpec, max_tokens: Optional[int] = None) -> SamplingParams:

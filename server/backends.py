@@ -24,7 +24,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from trtbuild.core.layout import ENGINE_FILE, Layout
+from aimo_spec.layout import ENGINE_FILE, Layout
 
 DRIVERS = {
     "embedded": ("server.embedded.engine", "EmbeddedEngine"),

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Optional
 
-from trtbuild.core.recipe import BudgetSpec
+from aimo_spec.recipe import BudgetSpec
 
 Clock = Callable[[], float]
 

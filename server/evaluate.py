@@ -238,7 +238,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from server.assembly import sandbox_for
     from server.embedded.engine import EmbeddedEngine
     from server.problems import log, read_problems
-    from trtbuild.core.recipe import RecipeError, load_recipe
+    from aimo_spec.recipe import RecipeError, load_recipe
 
     try:
         recipe = load_recipe(args.recipe)

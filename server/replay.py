@@ -26,7 +26,7 @@ from typing import Any, Optional
 
 from server.budget import TimeBudget
 from server.solver import early_stop, entropy_weights, tally
-from trtbuild.core.recipe import SolverSpec
+from aimo_spec.recipe import SolverSpec
 
 VOTES = ("majority", "entropy", "local_entropy")
 Sample = tuple[Optional[int], float, Optional[float], Optional[float]]  # answer, finished at, mean, local entropy
@@ -140,7 +140,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = ap.parse_args(argv)
     import dataclasses
 
-    from trtbuild.core.recipe import load_recipe
+    from aimo_spec.recipe import load_recipe
 
     data = json.loads(args.eval.read_text())
     recipe = load_recipe(args.recipe or data["recipe"], check_paths=False)

@@ -19,8 +19,8 @@ from typing import Any, Optional
 
 from server.assembly import build_solver, sandbox_for
 from server.backends import SERVING_BACKENDS, open_for_recipe
-from trtbuild.core.atomic import write_atomic
-from trtbuild.core.recipe import RecipeError, load_recipe
+from aimo_spec.atomic import write_atomic
+from aimo_spec.recipe import RecipeError, load_recipe
 
 INTERRUPTED = 130
 

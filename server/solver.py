@@ -34,9 +34,9 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
-from server.protocol import Engine
+from aimo_spec.protocol import Engine
 from server.tir import SampleTrace, TIRClient
-from trtbuild.core.recipe import SolverSpec
+from aimo_spec.recipe import SolverSpec
 
 FINISHED = ("stop", "length")  # the finish reasons of a sample that ended on its own
 CANCEL_GRACE = 30.0  # seconds a cancelled sample may take to report its end

@@ -28,9 +28,9 @@ from typing import Any, Optional
 
 from server.answers import boxed_span, last_boxed, normalize
 from server.toolerrors import error_kind
-from trtbuild.core.chat import output_block
-from trtbuild.core.recipe import CodeTags, ServingSpec, SolverSpec
-from server.protocol import Delta, Engine, Final, Request, SamplingParams
+from aimo_spec.chat import output_block
+from aimo_spec.recipe import CodeTags, ServingSpec, SolverSpec
+from aimo_spec.protocol import Delta, Engine, Final, Request, SamplingParams
 
 
 @dataclass

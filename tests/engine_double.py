@@ -14,7 +14,7 @@ import math
 import time
 from typing import AsyncIterator, Callable, Optional, Sequence
 
-from server.protocol import Delta, Event, Final, Request
+from aimo_spec.protocol import Delta, Event, Final, Request
 from server.textstream import StopMatcher
 
 Script = Callable[[str, Request], list[str]]

@@ -15,7 +15,7 @@ import torch
 
 from server.embedded import deterministic
 from server.embedded.engine import EmbeddedEngine
-from server.protocol import Request, SamplingParams, collect
+from aimo_spec.protocol import Request, SamplingParams, collect
 
 
 def texts(tok, n: int) -> list[str]:
@@ -48,7 +48,7 @@ DEVICES = [("cpu", torch.float32)] + ([("cuda", torch.float32), ("cuda", torch.b
 @pytest.fixture(scope="module")
 def model_and_tokenizer(tiny_models):
     from server.embedded.loader import load_model
-    from trtbuild.core.chat import load_tokenizer
+    from aimo_spec.chat import load_tokenizer
 
     path = tiny_models["qwen-tir"]
     return load_model(path).float(), load_tokenizer(path)

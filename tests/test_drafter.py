@@ -22,7 +22,7 @@ CONVERTER_NAMES = {"lm_head.0.linear.weight", "lm_head.0.linear.bias", "lm_head.
 @pytest.fixture(scope="module")
 def target(tiny_models):
     from server.embedded.loader import load_model
-    from trtbuild.core.chat import load_tokenizer
+    from aimo_spec.chat import load_tokenizer
 
     return load_model(tiny_models["llama-tir"]), load_tokenizer(tiny_models["llama-tir"])
 
@@ -30,7 +30,7 @@ def target(tiny_models):
 def greedy_sequences(model, tok, n=3, new=24) -> list[Sequence]:
     out = []
     for i, text in enumerate(["What is 6 times 7?", "Sum of 1 to 10?", "How many primes below 20?"][:n]):
-        from trtbuild.core.chat import encode, render_prompt
+        from aimo_spec.chat import encode, render_prompt
 
         prompt = encode(tok, render_prompt(tok, text))
         ids = list(prompt)
@@ -136,7 +136,7 @@ def test_acceptance_is_verified_by_the_real_target(target, device):
 
 
 def test_training_raises_heldout_top1(target):
-    from trtbuild.core.recipe import DrafterTrainSpec
+    from aimo_spec.recipe import DrafterTrainSpec
 
     model, tok = target
     seqs = greedy_sequences(model, tok, n=3, new=40)
@@ -152,7 +152,7 @@ def test_drafter_stage_in_make_engine(tiny_models, tmp_path, capfd):
     from small_recipes import write_recipe
     from trtbuild import manifest as mf
     from trtbuild.__main__ import main
-    from trtbuild.core.recipe import load_recipe
+    from aimo_spec.recipe import load_recipe
 
     path = write_recipe(tmp_path, "tinyd", {"cot": {"kind": "hf", "path": str(tiny_models["llama-cot"])},
                                             "tir": {"kind": "hf", "path": str(tiny_models["llama-tir"])}},
@@ -180,7 +180,7 @@ def test_drafter_stage_in_make_engine(tiny_models, tmp_path, capfd):
     import asyncio
 
     from server.embedded.engine import EmbeddedEngine
-    from server.protocol import Request, SamplingParams, collect
+    from aimo_spec.protocol import Request, SamplingParams, collect
 
     greedy = SamplingParams(temperature=0.0, max_tokens=16)
     finals = {}
@@ -200,7 +200,7 @@ def test_drafter_stage_in_make_engine(tiny_models, tmp_path, capfd):
 
 def test_draft_length_beyond_training_is_a_recipe_error(tmp_path):
     from small_recipes import write_recipe
-    from trtbuild.core.recipe import RecipeError, load_recipe
+    from aimo_spec.recipe import RecipeError, load_recipe
 
     path = write_recipe(tmp_path, "bad", {"cot": {"kind": "hf", "path": "x"}, "tir": {"kind": "hf", "path": "y"}},
                         drafter={"kind": "redrafter", "draft_len_per_beam": 4, "train": {"draft_steps": 3}})

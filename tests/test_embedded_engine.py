@@ -11,7 +11,7 @@ import torch
 
 from server.answers import last_boxed, normalize
 from server.embedded.engine import EmbeddedEngine
-from server.protocol import Final, Request, SamplingParams, collect
+from aimo_spec.protocol import Final, Request, SamplingParams, collect
 from server.textstream import StopMatcher
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
@@ -21,7 +21,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 def hf(tiny_models):
     from transformers import AutoModelForCausalLM
 
-    from trtbuild.core.chat import load_tokenizer
+    from aimo_spec.chat import load_tokenizer
 
     path = tiny_models["llama-cot"]
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()

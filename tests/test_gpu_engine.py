@@ -45,7 +45,7 @@ def test_fp8_kernel_matches_the_cpu_emulation():
 
 def test_engine_on_cuda_agrees_with_the_cpu_engine(tiny_models):
     from server.embedded.engine import EmbeddedEngine
-    from server.protocol import Request, SamplingParams, collect
+    from aimo_spec.protocol import Request, SamplingParams, collect
 
     path = tiny_models["qwen-tir"]
     outs = {}
@@ -69,7 +69,7 @@ def test_engine_on_cuda_agrees_with_the_cpu_engine(tiny_models):
 
 def test_device_sampler_on_cuda_is_batch_independent():
     from server.embedded.sampler import sample_device
-    from server.protocol import SamplingParams
+    from aimo_spec.protocol import SamplingParams
 
     logits = torch.randn(3, 1000, device="cuda")
     p = SamplingParams(temperature=0.9, top_p=0.95)
@@ -89,9 +89,9 @@ def test_speculative_decoding_on_cuda_graphs_is_exact(tiny_models, dtype):
 
     from server.embedded.engine import EmbeddedEngine
     from server.embedded.speculative import SpecConfig
-    from server.protocol import Request, SamplingParams, collect
+    from aimo_spec.protocol import Request, SamplingParams, collect
     from test_speculative import repeat_drafter
-    from trtbuild.core.chat import load_tokenizer
+    from aimo_spec.chat import load_tokenizer
 
     path = tiny_models["llama-cot"]
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()

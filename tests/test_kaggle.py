@@ -19,10 +19,10 @@ import pytest
 from engine_double import ScriptedEngine
 from server.engine_check import EngineFolderError
 from server.kaggle.predict import EngineStartError, Predictor
-from server.protocol import Final
+from aimo_spec.protocol import Final
 from small_recipes import write_recipe
 from trtbuild.build import engine_config
-from trtbuild.core.recipe import load_recipe
+from aimo_spec.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -224,7 +224,7 @@ def kill_engine_thread(engine) -> None:
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread's death is the test
 def test_the_embedded_engine_reports_a_dead_thread_and_fails_its_requests_at_once(tiny_models):
     from server.embedded.engine import EmbeddedEngine
-    from server.protocol import Request, SamplingParams
+    from aimo_spec.protocol import Request, SamplingParams
 
     engine = EmbeddedEngine.from_dir(tiny_models["llama-tir"], max_seq_len=128, device="cpu")
     assert engine.alive and engine.ready

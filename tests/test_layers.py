@@ -1,8 +1,9 @@
 """The direction of dependency, checked on the source: no import runs back up a floor.
 
-Floors, bottom up: `trtbuild.core` (recipe, layout, chat format); `sandbox` and `merge` (stand on
-core only); the runtime `server` (stands on core and sandbox, never on the pipeline); the build
-pipeline `trtbuild` (may use everything: its quality gates and the drafter run the real runtime).
+Floors, bottom up: `aimo_spec` (recipe schema, layout, chat format, engine protocol); `sandbox` and
+`merge` (stand on aimo_spec only); the runtime `server` (stands on aimo_spec and sandbox, never on
+the pipeline); the build pipeline `trtbuild` (may use everything: its quality gates and the drafter
+run the real runtime).
 Inside the runtime: the request nouns and stream, then the backend drivers, then the TIR client and
 solver, then the surfaces (CLIs, evaluation, Kaggle, Triton deployment, benchmarks). Imports inside
 functions count too.
@@ -16,16 +17,17 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PROJECT = ("trtbuild", "merge", "server", "sandbox")
+PROJECT = ("aimo_spec", "trtbuild", "merge", "server", "sandbox")
 
 ALLOWED = {  # package -> what its modules may import from the project
-    "trtbuild.core": ("trtbuild.core",),
-    "merge": ("merge", "trtbuild.core"),
-    "sandbox": ("sandbox", "trtbuild.core"),
-    "server": ("server", "sandbox", "trtbuild.core"),
+    "aimo_spec": ("aimo_spec",),
+    "merge": ("merge", "aimo_spec"),
+    "sandbox": ("sandbox", "aimo_spec"),
+    "server": ("server", "sandbox", "aimo_spec"),
+    "trtbuild": PROJECT,
 }
 RUNTIME_FLOORS = (  # inside server/: module prefixes per floor, bottom up; anything else is a surface
-    ("server.protocol", "server.textstream", "server.stream", "server.answers", "server.answer_latex", "server.budget"),
+    ("server.textstream", "server.stream", "server.answers", "server.answer_latex", "server.budget"),
     ("server.embedded.", "server.trtllm.engine", "server.triton.engine", "server.triton.interface", "server.openai.engine",
      "server.backends"),
     ("server.toolerrors", "server.tir", "server.solver", "server.metrics", "server.problems", "server.assembly"),
@@ -87,5 +89,6 @@ def test_no_import_runs_up_a_floor(path):
 def test_the_rules_bite():
     """The check itself: the imports the old layout had are caught."""
     assert _package("server.textstream") == "server" and not any(_within("trtbuild.tir_data", a) for a in ALLOWED["server"])
-    assert floor("server.protocol") < floor("server.tir") < floor("server.solve")
-    assert _package("trtbuild.core.chat") == "trtbuild.core" and _package("trtbuild.quality") is None
+    assert floor("server.stream") < floor("server.tir") < floor("server.solve")
+    assert _package("aimo_spec.chat") == "aimo_spec" and _package("trtbuild.quality") == "trtbuild"
+    assert not any(_within(m, a) for m in ("server.stream", "trtbuild.build", "sandbox.pool") for a in ALLOWED["aimo_spec"])

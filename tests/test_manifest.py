@@ -115,7 +115,7 @@ def test_the_build_command_takes_the_lock(tmp_path, monkeypatch):
     monkeypatch.setattr(mf, "folder_lock", spy)
     monkeypatch.setattr(cli, "run_stage", lambda name, recipe, backend: None)
     recipe = write_recipe(tmp_path, "lk", {"cot": {"kind": "hf", "path": "a"}, "tir": {"kind": "hf", "path": "b"}})
-    monkeypatch.setattr(cli, "load_recipe", lambda path: __import__("trtbuild.core.recipe", fromlist=["x"]).load_recipe(
+    monkeypatch.setattr(cli, "load_recipe", lambda path: __import__("aimo_spec.recipe", fromlist=["x"]).load_recipe(
         path, check_paths=False))
     assert cli.main(["merge", "--recipe", str(recipe)]) == 0
     assert taken == [tmp_path / "lk"]

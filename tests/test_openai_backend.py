@@ -16,7 +16,7 @@ pytest.importorskip("httpx2")
 pytest.importorskip("uvicorn")
 
 from openai_servers import ServerProcess, hang_guard  # noqa: E402,F401
-from server.protocol import Delta, Final, Request, SamplingParams, collect  # noqa: E402
+from aimo_spec.protocol import Delta, Final, Request, SamplingParams, collect  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
 
@@ -153,7 +153,7 @@ def test_the_solver_with_the_sandbox_over_two_replicas(replicas, local, tiny_mod
     from sandbox import Limits, SandboxConfig, SandboxPool
     from server.solver import Solver
     from server.tir import TIRClient
-    from trtbuild.core.recipe import CodeTags, SolverSpec
+    from aimo_spec.recipe import CodeTags, SolverSpec
 
     eng = engine_for(",".join(s.url for s in replicas), tiny_models)
     before = [s.metrics().get("aimo_prompt_tokens_total", 0) for s in replicas]
@@ -208,7 +208,7 @@ def test_a_replica_killed_mid_run_fails_over_then_a_clear_error(replicas, local,
         from sandbox import Limits, SandboxConfig, SandboxPool
         from server.solver import Solver
         from server.tir import TIRClient
-        from trtbuild.core.recipe import SolverSpec
+        from aimo_spec.recipe import SolverSpec
 
         with SandboxPool(SandboxConfig(limits=Limits(wall_seconds=3), pool_size=2)) as pool:
             client = TIRClient(eng, pool, sampling=SamplingParams(temperature=0.7, max_tokens=32))

@@ -16,7 +16,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
 from openai_servers import ServerProcess, free_port, hang_guard, wait_for  # noqa: E402,F401
-from server.protocol import Request, SamplingParams, collect  # noqa: E402
+from aimo_spec.protocol import Request, SamplingParams, collect  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -199,7 +199,7 @@ class GatedEngine:
         return getattr(self.inner, name)
 
     async def generate(self, request):
-        from server.protocol import Delta
+        from aimo_spec.protocol import Delta
 
         events = self.inner.generate(request)
         deltas = 0

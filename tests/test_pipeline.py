@@ -11,7 +11,7 @@ import torch
 from small_recipes import write_recipe
 from trtbuild import manifest as mf
 from trtbuild.__main__ import main
-from trtbuild.core.recipe import load_recipe
+from aimo_spec.recipe import load_recipe
 
 STAGE_DIRS = ["sources/cot", "sources/tir", "merge", "quantize/int8_wo", "quantize/fp8", "build/embedded"]
 
@@ -104,7 +104,7 @@ def test_quantized_exports_reload_within_rounding(qwen_build):
 
 def test_engine_folder_serves_tokens(qwen_build):
     from server.embedded.loader import load_model
-    from trtbuild.core.chat import load_tokenizer
+    from aimo_spec.chat import load_tokenizer
 
     engine = qwen_build.out_dir / "build" / "embedded"
     cfg = json.loads((engine / "engine.json").read_text())
@@ -229,7 +229,7 @@ def test_solve_end_to_end_on_the_built_engine(qwen_build, tmp_path, capsys):
     import yaml
 
     from server.embedded.engine import EmbeddedEngine
-    from server.protocol import Final, Request, SamplingParams
+    from aimo_spec.protocol import Final, Request, SamplingParams
     from server.solve import main as solve_main
 
     eng = EmbeddedEngine.from_dir(qwen_build.out_dir / "build" / "embedded")

@@ -15,8 +15,8 @@ from server.budget import TimeBudget
 from server.problems import Problem, RunReport, read_problems, run_problems
 from server.solver import SolveResult
 from server.tir import SampleTrace
-from trtbuild.core import atomic
-from trtbuild.core.recipe import BudgetSpec
+from aimo_spec import atomic
+from aimo_spec.recipe import BudgetSpec
 
 
 def test_a_bom_and_a_1mb_field_are_read(tmp_path):

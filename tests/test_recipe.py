@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from trtbuild.core.recipe import RecipeError, load_recipe, parse_recipe
+from aimo_spec.recipe import RecipeError, load_recipe, parse_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,7 +41,7 @@ def _error(tmp_path: Path, mutate) -> str:
 
 def test_serving_defaults_are_the_anchors():
     # issue 19: stateful sessions, 1000 characters fed back, a notice past the code-call limit
-    from trtbuild.core.recipe import ServingSpec, SolverSpec, ToolSpec
+    from aimo_spec.recipe import ServingSpec, SolverSpec, ToolSpec
 
     s = ServingSpec()
     assert ToolSpec().stateful and s.output_chars == 1000 and "no more code will run" in s.code_limit_notice
@@ -112,7 +112,7 @@ def test_empty_or_undecodable_recipes_say_so(tmp_path, content, words):
 
 
 def test_kaggle_section_defaults_per_competition(tmp_path):
-    from trtbuild.core.recipe import ANSWER_RANGES
+    from aimo_spec.recipe import ANSWER_RANGES
 
     data = _base()
     r = parse_recipe({**data, "name": "x", "kaggle": {"competition": "aimo2"}}, check_paths=False)
@@ -137,7 +137,7 @@ def test_hf_path_resolves_against_recipe_folder(tmp_path, tiny_models):
 
 
 def test_core_imports_without_heavy_libraries():
-    code = ("import sys, trtbuild, trtbuild.core.recipe, trtbuild.manifest, trtbuild.backends, trtbuild.__main__, "
+    code = ("import sys, trtbuild, aimo_spec.recipe, trtbuild.manifest, trtbuild.backends, trtbuild.__main__, "
             "merge, merge.config, server, server.embedded\n"
             "heavy = [m for m in ('torch', 'transformers', 'mergekit', 'modelopt', 'tensorrt_llm') if m in sys.modules]\n"
             "assert not heavy, heavy")

@@ -12,9 +12,9 @@ import pytest
 from engine_double import ScriptedEngine
 from sandbox import Limits, SandboxConfig, SandboxPool
 from server.budget import TimeBudget
-from server.protocol import SamplingParams
+from aimo_spec.protocol import SamplingParams
 from server.solver import Solver, early_stop, entropy_weights, vote
-from trtbuild.core.recipe import BudgetSpec, SolverSpec
+from aimo_spec.recipe import BudgetSpec, SolverSpec
 from server.tir import SampleTrace, TIRClient
 
 

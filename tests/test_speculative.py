@@ -22,7 +22,7 @@ from server.embedded.engine import EmbeddedEngine
 from server.embedded.redrafter import DrafterConfig, ReDrafter
 from server.embedded.sampler import row_distribution
 from server.embedded.speculative import SpecConfig, accept_device, accept_host
-from server.protocol import Request, SamplingParams, collect
+from aimo_spec.protocol import Request, SamplingParams, collect
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40)
 
@@ -53,7 +53,7 @@ def random_drafter(model, seed: int = 0) -> ReDrafter:
 def hf(tiny_models):
     from transformers import AutoModelForCausalLM
 
-    from trtbuild.core.chat import load_tokenizer
+    from aimo_spec.chat import load_tokenizer
 
     path = tiny_models["llama-cot"]
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from trtbuild.core.recipe import CodeTags
+from aimo_spec.recipe import CodeTags
 from trtbuild.tir_data import GENERATORS, make_problems, make_traces, run_code
 
 

@@ -10,9 +10,9 @@ import pytest
 
 from engine_double import ScriptedEngine
 from sandbox import Limits, SandboxConfig, SandboxPool
-from server.protocol import SamplingParams
+from aimo_spec.protocol import SamplingParams
 from server.tir import TIRClient, open_code
-from trtbuild.core.recipe import CodeTags, ServingSpec
+from aimo_spec.recipe import CodeTags, ServingSpec
 
 QWEN = CodeTags()
 NEMOTRON = CodeTags("<tool_call>\n", "</tool_call>\n", "```output\n", "```\n")

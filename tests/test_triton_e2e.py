@@ -21,7 +21,7 @@ import pytest
 pytest.importorskip("tritonclient.grpc")
 pytest.importorskip("pytriton")
 
-from server.protocol import Final, Request, SamplingParams, collect  # noqa: E402
+from aimo_spec.protocol import Final, Request, SamplingParams, collect  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TEST_SECONDS = 240  # no test here may hang CI: past this, stacks are dumped and the test fails
@@ -190,7 +190,7 @@ def test_solver_runs_tir_over_triton(server, tiny_models, tmp_path):
     """The solver, the TIR client and the sandbox, unchanged, over the triton backend."""
     from sandbox import Limits, SandboxConfig, SandboxPool
     from server.solver import Solver
-    from trtbuild.core.recipe import SolverSpec
+    from aimo_spec.recipe import SolverSpec
     from server.tir import TIRClient
     from server.triton.engine import TritonEngine
 

@@ -14,7 +14,7 @@ import time
 import pytest
 
 import triton_double as tdbl
-from server.protocol import Delta, Request, SamplingParams, collect
+from aimo_spec.protocol import Delta, Request, SamplingParams, collect
 from upstream import snapshot
 
 LONG = 150

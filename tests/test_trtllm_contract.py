@@ -19,11 +19,11 @@ import pytest
 
 import trtllm_double as dbl
 from upstream import snapshot
-from server.protocol import Delta, Final, Request, SamplingParams, collect
+from aimo_spec.protocol import Delta, Final, Request, SamplingParams, collect
 from small_recipes import write_recipe
 from trtbuild import build as build_stage
 from trtbuild import manifest as mf
-from trtbuild.core.recipe import RecipeError, load_recipe
+from aimo_spec.recipe import RecipeError, load_recipe
 from trtbuild.trtllm.env import Gpu, TrtllmEnv, parse_nvidia_smi
 
 PY = "/opt/trtllm/bin/python"

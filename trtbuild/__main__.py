@@ -18,7 +18,7 @@ from pathlib import Path
 
 from trtbuild import manifest as mf
 from trtbuild import stages
-from trtbuild.core.recipe import Recipe, RecipeError, load_recipe
+from aimo_spec.recipe import Recipe, RecipeError, load_recipe
 
 STAGES = stages.NAMES
 

@@ -18,8 +18,8 @@ from typing import Any
 from trtbuild import backends
 from trtbuild import manifest as mf
 from trtbuild import stages
-from trtbuild.core.layout import ENGINE_FILE
-from trtbuild.core.recipe import Recipe
+from aimo_spec.layout import ENGINE_FILE
+from aimo_spec.recipe import Recipe
 
 VERSION = 2  # bump when the output of this stage changes for the same inputs (2: embedded folders carry drafter/)
 STAGE = "build"

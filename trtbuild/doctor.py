@@ -7,7 +7,7 @@ import importlib.util
 import os
 from typing import Optional
 
-from trtbuild.core.recipe import Recipe
+from aimo_spec.recipe import Recipe
 from trtbuild.trtllm import preflight
 from trtbuild.trtllm.env import EXAMPLES_ENV, PYTHON_ENV, TrtllmEnv, probe
 

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from trtbuild.core.atomic import write_atomic
+from aimo_spec.atomic import write_atomic
 
 MANIFEST = "manifest.json"
 VERIFY_HASH_BYTES = 8 << 20  # files up to this size are hashed at build time and checked on every run

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from trtbuild.core.chat import encode, render_prompt
-from trtbuild.core.recipe import CodeTags, QualitySpec, Recipe
+from aimo_spec.chat import encode, render_prompt
+from aimo_spec.recipe import CodeTags, QualitySpec, Recipe
 from trtbuild.tir_data import make_problems
 
 

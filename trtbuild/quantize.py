@@ -16,7 +16,7 @@ from typing import Any
 
 from trtbuild import manifest as mf
 from trtbuild import stages
-from trtbuild.core.recipe import Recipe
+from aimo_spec.recipe import Recipe
 
 VERSION = 1  # bump when the output of this stage changes for the same inputs
 STAGE = "quantize"
@@ -34,7 +34,7 @@ def modelopt_config(fmt: str, kv_cache_dtype: str) -> dict[str, Any]:
 
 def calibration_texts(recipe: Recipe, tokenizer: Any) -> list[list[int]]:
     """TIR traces in the serving chat format: the distribution the engine will see."""
-    from trtbuild.core.chat import encode, render_prompt
+    from aimo_spec.chat import encode, render_prompt
     from trtbuild.tir_data import make_traces
 
     c = recipe.quantize.calibration
@@ -101,7 +101,7 @@ def _quantize_one(recipe: Recipe, fmt: str, merged_dir: Path, final: Path, tmp: 
     from modelopt.torch.export.model_utils import get_model_type
 
     from server.embedded.loader import load_model
-    from trtbuild.core.chat import load_tokenizer
+    from aimo_spec.chat import load_tokenizer
     from trtbuild.quality import price
 
     tok = load_tokenizer(merged_dir)
@@ -171,7 +171,7 @@ def run(recipe: Recipe) -> Path:
         if not stages.current(f"{STAGE}/{fmt}", final, fps[fmt]):
             if ref is None:
                 from server.embedded.loader import gate_dtype, load_model, use_all_cores
-                from trtbuild.core.chat import load_tokenizer
+                from aimo_spec.chat import load_tokenizer
                 from trtbuild.quality import quality_prompts, record_replies
 
                 use_all_cores()

@@ -20,7 +20,7 @@ def make_tokenizer(out: Path):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from trtbuild.core.recipe import CodeTags
+    from aimo_spec.recipe import CodeTags
     from trtbuild.tir_data import make_traces
 
     corpus = [t.problem + "\n" + t.reply for t in make_traces(60, 99, CodeTags())] + ["system user assistant"]

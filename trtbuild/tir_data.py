@@ -15,8 +15,8 @@ import sys
 from dataclasses import dataclass
 from typing import Callable
 
-from trtbuild.core.chat import output_block
-from trtbuild.core.recipe import CodeTags
+from aimo_spec.chat import output_block
+from aimo_spec.recipe import CodeTags
 
 
 VERSION = 1  # bump when the traces or the fine-tune (tir_finetune.py) change for the same recipe

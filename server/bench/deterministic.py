@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from server.protocol import Request, SamplingParams, collect
+from aimo_spec.protocol import Request, SamplingParams, collect
 
 
 def log(msg: str) -> None:

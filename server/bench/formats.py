@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from server.protocol import Request, SamplingParams, collect
+from aimo_spec.protocol import Request, SamplingParams, collect
 
 
 async def burst(engine, prompt: list[int], n: int, tokens: int) -> float:
@@ -39,7 +39,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     from server.embedded.engine import EmbeddedEngine
-    from trtbuild.core.recipe import load_recipe
+    from aimo_spec.recipe import load_recipe
 
     recipe = load_recipe(args.recipe)
     dirs = {f: recipe.layout.weights(f) for f in ("bf16", *recipe.quantize.formats)}

@@ -157,7 +157,7 @@ def agreement(model: Any, vocab: int, context: int, steps: int = 32, b: int = 4)
 def engine_decode(engine: Any, vocab: int, b: int, context: int, short: int, long: int) -> dict[str, float]:
     """Decode tok/s of the whole engine: b requests admitted together (prefilled in one scheduler
     iteration), timed from the moment every one has its first token to the moment all have ended."""
-    from server.protocol import Delta, Request, SamplingParams
+    from aimo_spec.protocol import Delta, Request, SamplingParams
 
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, vocab, (context,), generator=gen).tolist() for _ in range(b)]

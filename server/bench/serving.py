@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from server.protocol import Final, Request, SamplingParams
+from aimo_spec.protocol import Final, Request, SamplingParams
 
 
 def log(msg: str) -> None:
@@ -34,7 +34,7 @@ def log(msg: str) -> None:
 
 
 def bench_prompts(tokenizer: Any, n: int) -> list[list[int]]:
-    from trtbuild.core.chat import encode, render_prompt
+    from aimo_spec.chat import encode, render_prompt
 
     return [encode(tokenizer, render_prompt(tokenizer, f"What is the sum of the integers from {i} to {10 * i + 7}?"))
             for i in range(1, n + 1)]
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from server.embedded.engine import EmbeddedEngine
     from server.backends import open_for_recipe
-    from trtbuild.core.recipe import load_recipe
+    from aimo_spec.recipe import load_recipe
 
     recipe = load_recipe(args.recipe)
     engine: EmbeddedEngine = open_for_recipe(recipe, "embedded")

@@ -45,7 +45,7 @@ def problem_prompts(engine: Any, problems_file: str, n: int) -> list[list[int]]:
 def plain_throughput(engine: Any, sandbox: Any, serving: Any, prompts: list[list[int]], seed0: int
                      ) -> tuple[float, int]:
     """B plain requests at once (no tools): the engine's own speed, (tokens per second, tokens)."""
-    from server.protocol import Final, Request, SamplingParams
+    from aimo_spec.protocol import Final, Request, SamplingParams
 
     s = serving.sampling
     params = [SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens,
@@ -182,9 +182,9 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     import torch
 
-    from server.embedded.engine import resolve_device
+    from server.embedded.settings import resolve_device
     from server.embedded.speculative import DEFAULT_MAX_BATCH
-    from trtbuild.core.recipe import load_recipe
+    from aimo_spec.recipe import load_recipe
 
     recipe = load_recipe(args.recipe, check_paths=False)  # serving needs the built engine, not the sources
     engine_dir = args.engine or recipe.layout.engine("embedded")

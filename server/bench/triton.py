@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from server.protocol import Delta, Final, Request, SamplingParams
+from aimo_spec.protocol import Delta, Final, Request, SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -39,49 +39,10 @@ import torch
 import server.embedded.deterministic as deterministic
 from server.embedded.runner import SlotRunner, draft_then_verify
 from server.embedded.sampler import make_generator, sample, sample_device
+from server.embedded.settings import engine_options, resolve_device
 from server.embedded.speculative import DEFAULT_MAX_BATCH, SpecConfig, accept_device, accept_host, top_logprobs
-from server.protocol import Request, SamplingParams
+from aimo_spec.protocol import Request, SamplingParams
 from server.stream import EngineBase, Outbox, RequestStream
-
-
-DEVICE_ENV = "EMBEDDED_DEVICE"  # overrides the engine folder's serving.device for one command
-SPECULATIVE_ENV = "EMBEDDED_SPECULATIVE"  # auto|on|off: overrides serving.speculative.enabled for one command
-
-
-def speculation(engine_dir: Path, spec: dict[str, Any], override: Optional[str] = None,
-                max_batch: Optional[int] = None) -> dict[str, Any]:
-    """EmbeddedEngine keywords (drafter, speculative) for an engine folder: on when it has a drafter,
-    unless serving.speculative (or the override) says off; 'on' without a drafter is an error."""
-    cfg = (spec.get("serving") or {}).get("speculative") or {}
-    mode = override or os.environ.get(SPECULATIVE_ENV) or cfg.get("enabled", "auto")
-    if mode not in ("auto", "on", "off"):
-        raise ValueError(f"speculative: {mode!r} is not auto, on or off")
-    rel = spec.get("drafter_dir")
-    if mode == "off" or (rel is None and mode == "auto"):
-        return {}
-    if rel is None:
-        raise ValueError(f"{engine_dir / 'engine.json'}: speculative decoding is on but the engine has no drafter "
-                         "(drafter.kind: redrafter in the recipe, then make build)")
-    drafter = spec.get("drafter") or {}
-    return {"drafter": engine_dir / rel,
-            "speculative": SpecConfig(draft_len=int(drafter.get("draft_len_per_beam", 3)),
-                                      num_beams=int(drafter.get("num_beams", 1)),
-                                      max_batch=int(max_batch if max_batch is not None else cfg.get("max_batch", 0)))}
-
-
-def resolve_device(device: str) -> torch.device:
-    """auto: the first CUDA device when there is one, else the CPU; errors name what is wrong."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except RuntimeError:
-        raise ValueError(f"device {device!r}: use auto, cpu or cuda[:N]") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r}: no CUDA device here (torch {torch.__version__}); use auto or cpu")
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"device {device!r}: the embedded engine runs on cpu or cuda")
-    return dev
 
 
 @dataclass
@@ -293,42 +254,12 @@ class EmbeddedEngine(EngineBase):
     # ---- construction
     @classmethod
     def from_dir(cls, engine_dir: str | Path, **overrides: Any) -> "EmbeddedEngine":
-        """Serve a folder written by `make engine` (build/embedded/) or a plain HF checkpoint folder.
-        `speculative="on"|"off"|"auto"` overrides the folder's serving.speculative.enabled (and the
-        EMBEDDED_SPECULATIVE environment variable does, for one command)."""
-        import json
-
+        """Serve a folder written by `make engine` (build/embedded/) or a plain HF checkpoint folder;
+        `server.embedded.settings.engine_options` says how its settings are resolved."""
         from server.embedded.loader import load_model
-        from trtbuild.core.chat import load_tokenizer
+        from aimo_spec.chat import load_tokenizer
 
-        engine_dir = Path(engine_dir)
-        spec_file = engine_dir / "engine.json"
-        if spec_file.is_file():
-            spec = json.loads(spec_file.read_text())
-            if spec.get("backend") != "embedded":
-                raise ValueError(f"{spec_file}: backend is {spec.get('backend')!r}, not 'embedded'")
-            model_dir = engine_dir / spec["model_dir"]
-            limits = spec["limits"]
-            serving = spec.get("serving") or {}
-            kw = dict(max_batch_size=limits["max_batch_size"], max_seq_len=limits["max_seq_len"],
-                      max_input_len=limits["max_input_len"], device=serving.get("device", "auto"),
-                      deterministic=bool(serving.get("deterministic", False)),
-                      **speculation(engine_dir, spec, overrides.pop("speculative", None),
-                                    overrides.pop("speculative_max_batch", None)))
-        elif (engine_dir / "config.json").is_file():
-            model_dir, kw = engine_dir, {}
-            overrides.pop("speculative", None), overrides.pop("speculative_max_batch", None)
-        else:
-            raise FileNotFoundError(f"{engine_dir}: neither an embedded engine (engine.json) nor an HF checkpoint "
-                                    "(config.json); run `make engine` first")
-        if os.environ.get(DEVICE_ENV):
-            kw["device"] = os.environ[DEVICE_ENV]  # a command's override (make ... DEVICE=cpu)
-        env = os.environ.get(deterministic.ENV, "")
-        if env:
-            if env not in ("0", "1"):
-                raise ValueError(f"{deterministic.ENV}={env!r}: expected 0 or 1")
-            kw["deterministic"] = env == "1"
-        kw.update(overrides)
+        model_dir, kw = engine_options(engine_dir, overrides)
         return cls(load=lambda: (load_model(model_dir), load_tokenizer(model_dir)), **kw)
 
     @staticmethod

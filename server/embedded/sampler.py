@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from server.protocol import SamplingParams
+from aimo_spec.protocol import SamplingParams
 
 CANDIDATES = 256
 

@@ -30,7 +30,7 @@ from typing import Optional, Sequence
 import torch
 
 from server.embedded.sampler import _keep_sorted, gumbel_noise, row_distribution
-from server.protocol import SamplingParams
+from aimo_spec.protocol import SamplingParams
 
 # Largest running batch that still drafts, per device type, when the recipe leaves it at 0; above it
 # the engine decodes one token per step. Measured by `make bench` (server/bench/speculative.py) on the

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trtbuild.core.recipe import ANSWER_RANGES
+from aimo_spec.recipe import ANSWER_RANGES
 
 STARTUP_LIMIT_SECONDS = 15 * 60  # the server must be up this long after the notebook starts
 RERUN_ENV = "KAGGLE_IS_COMPETITION_RERUN"

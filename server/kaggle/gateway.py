@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from server.kaggle.competitions import competition as competition_facts
-from trtbuild.core.atomic import write_atomic
+from aimo_spec.atomic import write_atomic
 
 
 class GatewayError(RuntimeError):

@@ -264,7 +264,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help=f"the Python of the Kaggle image the wheels are for (default {KAGGLE_PYTHON}, Kaggle's)")
     args = ap.parse_args(argv)
     from server.engine_check import EngineFolderError
-    from trtbuild.core.recipe import RecipeError, load_recipe
+    from aimo_spec.recipe import RecipeError, load_recipe
 
     try:
         recipe = load_recipe(args.recipe)

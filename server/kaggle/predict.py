@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional
 
 from server.kaggle.rows import answer_frame, read_rows
 from server.problems import tools_note
-from trtbuild.core.recipe import ANSWER_RANGES, ServingSpec, parse_section
+from aimo_spec.recipe import ANSWER_RANGES, ServingSpec, parse_section
 
 HEARTBEAT_SECONDS = 30.0
 MIN_RETRY_SECONDS = 5.0  # a restart is worth it only with this much of the problem's time left

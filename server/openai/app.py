@@ -38,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Callable, Optional
 
-from server.protocol import Delta, Final, Request, SamplingParams
+from aimo_spec.protocol import Delta, Final, Request, SamplingParams
 
 MAX_LOGPROBS = 20
 MAX_N = 128

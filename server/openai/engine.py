@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from server.stream import EngineBase, RequestStream
-from trtbuild.core.chat import load_tokenizer
+from aimo_spec.chat import load_tokenizer
 
 DOWN_SECONDS = 5.0  # a failed replica is tried again after this long
 AFFINITY_ENTRIES = 4096  # token histories remembered for routing continuations back to their replica

@@ -38,7 +38,7 @@ def engine_loader(args: argparse.Namespace) -> tuple[Callable[[], Any], str]:
         if (folder / "config.json").is_file():
             return (lambda: backends.driver("embedded").from_dir(folder, **overrides)), name
         raise FileNotFoundError(f"{folder}: neither an engine folder (engine.json) nor an HF checkpoint (config.json)")
-    from trtbuild.core.recipe import load_recipe
+    from aimo_spec.recipe import load_recipe
 
     recipe = load_recipe(args.recipe)
     return (lambda: backends.open_for_recipe(recipe, args.backend, args.triton_url, args.url)), args.model_name or recipe.name

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from server.triton.repository import launch_command, make_repository
-from trtbuild.core.recipe import RecipeError, load_recipe
+from aimo_spec.recipe import RecipeError, load_recipe
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -62,7 +62,7 @@ class Servable:
     def request_from(self, req: Any) -> Any:
         import numpy as np
 
-        from server.protocol import Request, SamplingParams
+        from aimo_spec.protocol import Request, SamplingParams
 
         text = _text(_required(req, "text_input"))
         max_tokens = int(_required(req, "max_tokens"))
@@ -89,7 +89,7 @@ class Servable:
     async def __call__(self, requests: list) -> AsyncIterator[list[dict]]:
         import numpy as np
 
-        from server.protocol import Delta, Final
+        from aimo_spec.protocol import Delta, Final
 
         req = requests[0]
         params = req.parameters or {}

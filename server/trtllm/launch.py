@@ -37,7 +37,7 @@ def main(args: Optional[list[str]] = None) -> int:
     if not cmd:
         ap.error("give the command to launch after --")
     if ns.recipe:
-        from trtbuild.core.recipe import RecipeError, load_recipe
+        from aimo_spec.recipe import RecipeError, load_recipe
 
         try:
             ns.tp = load_recipe(ns.recipe, check_paths=False).build.tp_size

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trtbuild.core.recipe import Recipe
+from aimo_spec.recipe import Recipe
 from trtbuild.tir_data import make_problems
 
 TRAIN_SEED_OFFSET = 50_000  # problem seeds apart from the TIR fine-tune, calibration and quality sets

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 from trtbuild import manifest as mf
 from trtbuild import stages
-from trtbuild.core.recipe import Recipe
+from aimo_spec.recipe import Recipe
 
 VERSION = 1  # bump when the output of this stage changes for the same inputs
 STAGE = "drafter"

@@ -20,7 +20,7 @@ from torch.nn import functional as F
 
 from trtbuild.drafter.data import Sequence
 from server.embedded.redrafter import DrafterConfig, ReDrafter
-from trtbuild.core.recipe import DrafterTrainSpec
+from aimo_spec.recipe import DrafterTrainSpec
 
 
 @dataclass

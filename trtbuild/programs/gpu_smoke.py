@@ -47,7 +47,7 @@ def write_recipe(folder: Path, name: str, model: Path, quantization: str) -> Pat
 def build(folder: Path, name: str, model: Path, quantization: str, env: Any, runner: Any) -> Path:
     """The pipeline's own trtllm build on a recipe whose merge is the tiny model itself."""
     from trtbuild import build as build_stage
-    from trtbuild.core.recipe import load_recipe
+    from aimo_spec.recipe import load_recipe
 
     recipe = load_recipe(write_recipe(folder, name, model, quantization))
     merged = recipe.layout.merged
@@ -57,7 +57,7 @@ def build(folder: Path, name: str, model: Path, quantization: str, env: Any, run
 
 
 async def greedy(engine: Any, prompts: list[list[int]]) -> list[list[int]]:
-    from server.protocol import Request, SamplingParams, collect
+    from aimo_spec.protocol import Request, SamplingParams, collect
 
     async def one(ids: list[int]) -> list[int]:
         _, final = await collect(engine, Request(ids, SamplingParams(temperature=0, max_tokens=NEW_TOKENS,
@@ -93,7 +93,7 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
 
 
 async def stream_and_cancel(engine: Any, prompt: list[int]) -> dict[str, Any]:
-    from server.protocol import Delta, Final, Request, SamplingParams
+    from aimo_spec.protocol import Delta, Final, Request, SamplingParams
 
     deltas, finals = 0, []
     async for ev in engine.generate(Request(prompt, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))):

@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional
 
 from trtbuild import manifest as mf
 from trtbuild import stages
-from trtbuild.core.recipe import Recipe
+from aimo_spec.recipe import Recipe
 from trtbuild.trtllm.convert import ensure_exclusion_list
 from trtbuild.trtllm.env import TrtllmEnv
 from trtbuild.trtllm.preflight import drafter_dir
@@ -64,7 +64,7 @@ def run_subprocess(step: Step, cmd: list[str], env: dict[str, str]) -> None:
 def write_calibration_set(recipe: Recipe, model_dir: Path, out: Path) -> Path:
     """`out/train.jsonl` with a "text" column: TIR traces in the serving chat format, what quantize.py's
     local-dataset loader reads (split train, column text)."""
-    from trtbuild.core.chat import load_tokenizer, render_prompt
+    from aimo_spec.chat import load_tokenizer, render_prompt
     from trtbuild.tir_data import make_traces
 
     c = recipe.quantize.calibration

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
-from trtbuild.core.recipe import Recipe, RecipeError
+from aimo_spec.recipe import Recipe, RecipeError
 from trtbuild.trtllm.env import EXAMPLES_ENV, TrtllmEnv
 
 # HF architecture -> the TensorRT-LLM model class that converts it (tensorrt_llm.models)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
-from trtbuild.core.recipe import CodeTags
+from aimo_spec.recipe import CodeTags
 
 
 def chat_messages(problem: str, system_prompt: Optional[str] = None) -> list[dict[str, str]]:
