@@ -20,7 +20,7 @@ import pytest
 
 from sandbox import SandboxConfig, SandboxPool, isolation
 from sandbox.config import Limits
-from sandbox.pool import Slots
+from sandbox.slots import Slots
 from sandbox.result import escape_controls
 from sandbox.worker import WorkerDied
 
@@ -716,7 +716,7 @@ def test_slots_are_unique_across_harness_processes(tmp_path):
     mine = Slots(4, str(tmp_path))
     assert [mine.take(), mine.take()] == [0, 1]
     other = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(ROOT)!r})\n"
-                            f"from sandbox.pool import Slots\ns = Slots(4, {str(tmp_path)!r})\nprint(s.take(), s.take())"],
+                            f"from sandbox.slots import Slots\ns = Slots(4, {str(tmp_path)!r})\nprint(s.take(), s.take())"],
                            capture_output=True, text=True, timeout=30)
     assert other.stdout.split() == ["2", "3"], other.stderr  # another harness skips the uids this one holds
     mine.give(0)
@@ -761,10 +761,11 @@ def test_failed_replacement_never_queues_a_dead_worker(monkeypatch):
 
 
 def test_without_a_memory_cgroup_the_pool_warns_and_still_limits(monkeypatch):
-    from sandbox import cgroup, pool as pool_mod
+    from sandbox import cgroup
+    from sandbox.memory_limit import MemoryLimitWarning
 
     monkeypatch.setattr(cgroup, "available", lambda: (None, "", "test double: no cgroup"))
-    with pytest.warns(pool_mod.MemoryLimitWarning, match="per process only"):
+    with pytest.warns(MemoryLimitWarning, match="per process only"):
         p = SandboxPool(SandboxConfig(pool_size=1, limits=Limits(memory_mb=256), **FAST))
     try:
         assert idle_worker(p).cgroup is None
