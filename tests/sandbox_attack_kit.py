@@ -84,11 +84,13 @@ def session_uid(s) -> int:
     return uid
 
 
-SPINNER = "import os, signal, sys, time\ntry:\n    os.setsid()\nexcept OSError:\n    pass\nsignal.signal(signal.SIGALRM, signal.SIG_IGN)\nwhile True:\n    pass"
+SPINNER = ("import os, signal, sys, time\ntry:\n    os.setsid()\nexcept OSError:\n    pass\n"
+           "signal.signal(signal.SIGALRM, signal.SIG_IGN)\nwhile True:\n    pass")
 
 
 def detached_spinner(marker: str) -> str:
     """Cell code starting a setsid() child that ignores SIGALRM, SIGTERM and SIGHUP, and spins."""
     child = ("import os, signal\nos.setsid()\nfor s in (signal.SIGALRM, signal.SIGTERM, signal.SIGHUP):\n"
              "    signal.signal(s, signal.SIG_IGN)\nwhile True:\n    pass")
-    return f"import subprocess, sys\nsubprocess.Popen([sys.executable, '-c', {child!r}, {marker!r}], start_new_session=True)\n"
+    return (f"import subprocess, sys\n"
+            f"subprocess.Popen([sys.executable, '-c', {child!r}, {marker!r}], start_new_session=True)\n")
