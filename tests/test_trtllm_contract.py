@@ -1,11 +1,12 @@
 """Contract tests of the TensorRT-LLM 1.2.x build path (no GPU and no TensorRT-LLM here; NOT a GPU run).
 
 The build is run against a test double of the `tensorrt_llm` module (tests/trtllm_double.py) and a
-runner that checks every command against the real tools' flags: these tests pin the exact commands,
-flags, files and calls the toolkit produces for W8A16, FP8, W8A16 + ReDrafter and tp=2 recipes, the
-preflight errors, resume, and the runtime's handling of streamed responses, final responses, errors,
-deadlines and cancellation. What they cannot show (that TensorRT-LLM accepts them and the engine
-is right) is what `make gpu-smoke` checks on a GPU host.
+runner that checks every command against the real tools' flags (tests/trtllm_command_double.py):
+these tests pin the exact commands, flags, files and calls the toolkit produces for W8A16, FP8,
+W8A16 + ReDrafter and tp=2 recipes, the preflight errors, resume, the GPU smoke run's plan and what
+upstream source says about quantized drafters. The runtime over the executor is
+tests/test_trtllm_runtime_contract.py. What they cannot show (that TensorRT-LLM accepts them and the
+engine is right) is what `make gpu-smoke` checks on a GPU host.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 import trtllm_double as dbl
+from trtllm_command_double import FakeRunner, drafter_modules
 from upstream import snapshot
 from trtbuild import build as build_stage
 from trtbuild import manifest as mf
@@ -28,7 +30,7 @@ from trtllm_contract_kit import A100, H100, PY, drafter_folder, examples, flags,
 # ------------------------------------------------------------------ build: commands and calls
 def test_w8a16_converts_in_process_and_builds_with_the_aimo2_flags(project, examples):
     recipe = project()
-    runner = dbl.FakeRunner()
+    runner = FakeRunner()
     out = build_stage.run(recipe, "trtllm", trtllm_env=gpu_env(examples), runner=runner)
     assert [name for name, _, _ in runner.commands] == ["checkpoint", "engine"]
     _, ckpt, env = runner.commands[0]
@@ -63,7 +65,7 @@ def test_w8a16_converts_in_process_and_builds_with_the_aimo2_flags(project, exam
 
 def test_fp8_calibrates_with_quantize_py_on_the_recipes_tir_traces(project, examples):
     recipe = project(build={"quantization": "fp8"}, trtllm={"calib_size": 6})
-    runner = dbl.FakeRunner()
+    runner = FakeRunner()
     build_stage.run(recipe, "trtllm", trtllm_env=gpu_env(examples), runner=runner)
     _, q, _ = runner.commands[0]
     assert q[:2] == [PY, str(examples / "quantization" / "quantize.py")]
@@ -83,7 +85,7 @@ def test_fp8_calibrates_with_quantize_py_on_the_recipes_tir_traces(project, exam
 
 def test_fp8_kv_cache_adds_the_flag_and_int8_weights_use_quantize_py_too(project, examples):
     recipe = project(quantize={"kv_cache_dtype": "fp8"})
-    runner = dbl.FakeRunner()
+    runner = FakeRunner()
     build_stage.run(recipe, "trtllm", trtllm_env=gpu_env(examples), runner=runner)
     f = flags(runner.commands[0][1], 2)
     assert f["--qformat"] == "int8_wo" and f["--kv_cache_dtype"] == "fp8"
@@ -91,7 +93,7 @@ def test_fp8_kv_cache_adds_the_flag_and_int8_weights_use_quantize_py_too(project
 
 def test_fp8_from_the_modelopt_export_skips_calibration(project, examples):
     recipe = project(build={"quantization": "fp8"}, trtllm={"fp8_checkpoint": "modelopt_export"})
-    runner = dbl.FakeRunner()
+    runner = FakeRunner()
     build_stage.run(recipe, "trtllm", trtllm_env=gpu_env(None), runner=runner)  # needs no examples/
     assert [n for n, _, _ in runner.commands] == ["engine"]
     assert flags(runner.commands[0][1], 1)["--checkpoint_dir"] == str(recipe.out_dir / "quantize" / "fp8" / "trtllm")
@@ -100,7 +102,7 @@ def test_fp8_from_the_modelopt_export_skips_calibration(project, examples):
 def test_w8a16_with_redrafter_attaches_the_drafter_then_builds_explicit_draft_tokens(project, examples, tmp_path):
     d = drafter_folder(tmp_path)
     recipe = project(drafter={"kind": "redrafter", "path": str(d), "num_beams": 1, "draft_len_per_beam": 3})
-    runner = dbl.FakeRunner()
+    runner = FakeRunner()
     out = build_stage.run(recipe, "trtllm", trtllm_env=gpu_env(examples), runner=runner)
     assert [n for n, _, _ in runner.commands] == ["checkpoint", "redrafter", "engine"]
     _, rd, _ = runner.commands[1]
@@ -117,14 +119,14 @@ def test_w8a16_with_redrafter_attaches_the_drafter_then_builds_explicit_draft_to
 
 def test_sampled_drafting_passes_no_greedy_search(project, examples, tmp_path):
     recipe = project(drafter={"kind": "redrafter", "path": str(drafter_folder(tmp_path)), "greedy": False})
-    runner = dbl.FakeRunner()
+    runner = FakeRunner()
     build_stage.run(recipe, "trtllm", trtllm_env=gpu_env(examples), runner=runner)
     assert "--redrafter_no_greedy_search" in runner.commands[1][1]
 
 
 def test_tp2_converts_each_rank_and_builds_with_two_workers(project, examples):
     recipe = project(build={"tp_size": 2})
-    runner = dbl.FakeRunner()
+    runner = FakeRunner()
     out = build_stage.run(recipe, "trtllm", trtllm_env=gpu_env(examples, (H100, H100)), runner=runner)
     convert = [c for c in dbl.CALLS if c[0].endswith("from_hugging_face")]
     assert [(c["mapping"].rank, c["mapping"].tp_size, c["mapping"].world_size) for _, c in convert] == [(0, 2, 2), (1, 2, 2)]
@@ -151,7 +153,7 @@ def test_tp2_converts_each_rank_and_builds_with_two_workers(project, examples):
 def test_bad_recipes_fail_before_any_gpu_work(project, examples, tmp_path, sections, gpus, key, words):
     if sections.get("drafter", {}).get("path") is None and "drafter" in sections:
         sections["drafter"]["path"] = str(drafter_folder(tmp_path))
-    runner = dbl.FakeRunner()
+    runner = FakeRunner()
     with pytest.raises(RecipeError) as err:
         recipe = project(**sections)
         build_stage.run(recipe, "trtllm", trtllm_env=gpu_env(examples, gpus), runner=runner)
@@ -163,20 +165,20 @@ def test_bad_recipes_fail_before_any_gpu_work(project, examples, tmp_path, secti
 def test_fp8_without_the_examples_folder_names_the_setting(project):
     recipe = project(build={"quantization": "fp8"})
     with pytest.raises(RecipeError, match="TRTLLM_EXAMPLES"):
-        build_stage.run(recipe, "trtllm", trtllm_env=gpu_env(None), runner=dbl.FakeRunner())
+        build_stage.run(recipe, "trtllm", trtllm_env=gpu_env(None), runner=FakeRunner())
 
 
 def test_a_failed_engine_build_keeps_the_checkpoint_and_resumes(project, examples):
     recipe = project()
     env = gpu_env(examples)
     with pytest.raises(RuntimeError, match="trtllm engine step failed"):
-        build_stage.run(recipe, "trtllm", trtllm_env=env, runner=dbl.FakeRunner(fail_step="engine"))
+        build_stage.run(recipe, "trtllm", trtllm_env=env, runner=FakeRunner(fail_step="engine"))
     assert mf.read_manifest(recipe.out_dir / "trtllm" / "checkpoint")["status"] == "done"
     assert not (recipe.out_dir / "build" / "trtllm").exists()
-    runner = dbl.FakeRunner()
+    runner = FakeRunner()
     build_stage.run(recipe, "trtllm", trtllm_env=env, runner=runner)
     assert [n for n, _, _ in runner.commands] == ["engine"]
-    again = dbl.FakeRunner()
+    again = FakeRunner()
     build_stage.run(recipe, "trtllm", trtllm_env=env, runner=again)
     assert again.commands == []  # nothing changed: no work
 
@@ -211,7 +213,7 @@ def test_gpu_smoke_builds_bf16_and_fp8_and_checks_streaming_and_cancel(examples,
     dbl.install(monkeypatch)
     dbl.Executor.script = staticmethod(lambda p: [7] * 500)
     dbl.Executor.step_seconds = 0.001
-    runner = dbl.FakeRunner()
+    runner = FakeRunner()
     report = smoke.run(tmp_path / "smoke", env=gpu_env(examples), runner=runner, compare_hf=False)
     assert [n for n, _, _ in runner.commands] == ["checkpoint", "engine", "checkpoint", "engine"]
     assert runner.commands[0][1][-1] == "none"  # bf16: convert without quantization
@@ -251,7 +253,7 @@ def test_the_trained_drafter_is_attached_by_default(project, examples, tmp_path)
     trained = recipe.out_dir / "drafter" / "model"
     trained.parent.mkdir(parents=True, exist_ok=True)
     shutil.copytree(drafter_folder(tmp_path), trained)
-    runner = dbl.FakeRunner()
+    runner = FakeRunner()
     build_stage.run(recipe, "trtllm", trtllm_env=gpu_env(examples), runner=runner)
     assert flags(runner.commands[1][1], 2)["--drafter_model_dir"] == str(trained)
 
@@ -265,12 +267,12 @@ def test_int8_wo_with_redrafter_keeps_the_drafter_out_of_quantization(project, e
     up = snapshot()["quantization"]
     assert list(DEFAULT_EXCLUDE_MODULES) == up["default_exclude_modules"]
     recipe = project(drafter={"kind": "redrafter", "path": str(drafter_folder(tmp_path))})
-    runner = dbl.FakeRunner()
+    runner = FakeRunner()
     build_stage.run(recipe, "trtllm", trtllm_env=gpu_env(examples), runner=runner)
     (_, call), = [c for c in dbl.CALLS if c[0].endswith("from_hugging_face")]
     assert set(up["default_exclude_modules"]) <= set(call["quant_config"].exclude_modules)
     attached = json.loads((recipe.out_dir / "trtllm" / "redrafter" / "config.json").read_text())
-    assert set(dbl.drafter_modules(2, True)) <= set(attached["quantization"]["exclude_modules"])
+    assert set(drafter_modules(2, True)) <= set(attached["quantization"]["exclude_modules"])
     assert [n for n, _, _ in runner.commands] == ["checkpoint", "redrafter", "engine"]
 
 
@@ -283,7 +285,7 @@ def test_int8_wo_with_fp8_kv_through_quantize_py_also_excludes_the_drafter(proje
     assert up["quantization"]["quantize_py_int8_wo"]["checkpoint_quant_algo"] == "W8A16"
     recipe = project(quantize={"kv_cache_dtype": "fp8"},
                      drafter={"kind": "redrafter", "path": str(drafter_folder(tmp_path))})
-    runner = dbl.FakeRunner()
+    runner = FakeRunner()
     build_stage.run(recipe, "trtllm", trtllm_env=gpu_env(examples), runner=runner)
     assert flags(runner.commands[0][1], 2)["--qformat"] == "int8_wo"
     ckpt = json.loads((recipe.out_dir / "trtllm" / "checkpoint" / "config.json").read_text())
@@ -294,7 +296,7 @@ def test_int8_wo_with_fp8_kv_through_quantize_py_also_excludes_the_drafter(proje
 def test_a_modelopt_export_without_an_exclusion_list_is_refused_before_redrafter(project, examples, tmp_path):
     recipe = project(build={"quantization": "fp8"}, trtllm={"fp8_checkpoint": "modelopt_export"},
                      drafter={"kind": "redrafter", "path": str(drafter_folder(tmp_path))})
-    runner = dbl.FakeRunner()
+    runner = FakeRunner()
     with pytest.raises(RuntimeError, match="exclude_modules is null"):
         build_stage.run(recipe, "trtllm", trtllm_env=gpu_env(examples), runner=runner)
     assert runner.commands == []

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import trtllm_double as dbl
+from trtllm_command_double import FakeRunner
 from upstream import snapshot
 from aimo_spec.protocol import Delta, Final, Request, SamplingParams, collect
 from trtbuild import build as build_stage
@@ -39,7 +40,7 @@ def test_executor_is_configured_for_inflight_batching_and_kv_reuse(engine_dir):
 
 def test_redrafter_engines_decode_with_explicit_draft_tokens(project, examples, tmp_path):
     recipe = project(drafter={"kind": "redrafter", "path": str(drafter_folder(tmp_path))})
-    out = build_stage.run(recipe, "trtllm", trtllm_env=gpu_env(examples), runner=dbl.FakeRunner())
+    out = build_stage.run(recipe, "trtllm", trtllm_env=gpu_env(examples), runner=FakeRunner())
     eng = open_engine(out, lambda p: [])
     try:
         cfg = dbl.Executor.instances[-1].config

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import trtllm_double as dbl
+from trtllm_command_double import FakeRunner, parse_flags
 from small_recipes import write_recipe
 from trtbuild import build as build_stage
 from trtbuild import manifest as mf
@@ -69,12 +70,12 @@ def drafter_folder(tmp_path: Path, trained: int = 3) -> Path:
 
 def flags(cmd: list[str], start: int) -> dict[str, str | None]:
     tool = Path(cmd[start - 1]).name
-    return dbl.parse_flags(tool, cmd[start:])
+    return parse_flags(tool, cmd[start:])
 
 
 @pytest.fixture
 def engine_dir(project, examples):
-    return build_stage.run(project(), "trtllm", trtllm_env=gpu_env(examples), runner=dbl.FakeRunner())
+    return build_stage.run(project(), "trtllm", trtllm_env=gpu_env(examples), runner=FakeRunner())
 
 
 def open_engine(engine_dir, script, step=0.002):
