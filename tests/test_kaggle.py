@@ -22,20 +22,24 @@ from server.kaggle.predict import EngineStartError, Predictor
 from aimo_spec.protocol import Final
 from small_recipes import write_recipe
 from trtbuild.build import engine_config
-from aimo_spec.recipe import load_recipe
+from aimo_spec.recipe import ServingSpec, load_recipe, parse_section
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def engine_folder(tmp_path: Path, tiny_models=None, **serving) -> Path:
+def serving_spec(**serving) -> ServingSpec:
+    """The serving settings these tests run with: short replies, two samples, a short budget."""
+    data = {"sampling": {"max_tokens": 24}, "solver": {"samples": 2, "early_stop_first": 2, "early_stop_agree": 2,
+                                                       "enough_finished": 2, "vote": "majority"},
+            "budget": {"policy": "aimo2", "base_seconds": 20, "max_extra_seconds": 10}, **serving}
+    return parse_section(data, ServingSpec, "serving", "<test>")
+
+
+def engine_folder(tmp_path: Path, tiny_models=None) -> Path:
     """An engine folder like build/embedded/: engine.json (+ the tiny model when given)."""
     sources = {"cot": {"kind": "hf", "path": str(tiny_models["llama-cot"]) if tiny_models else "a"},
                "tir": {"kind": "hf", "path": str(tiny_models["llama-tir"]) if tiny_models else "b"}}
-    serving = {"sampling": {"max_tokens": 24}, "solver": {"samples": 2, "early_stop_first": 2,
-                                                          "early_stop_agree": 2, "enough_finished": 2,
-                                                          "vote": "majority"},
-               "budget": {"policy": "aimo2", "base_seconds": 20, "max_extra_seconds": 10}, **serving}
-    recipe = load_recipe(write_recipe(tmp_path, "kg", sources, serving=serving), check_paths=False)
+    recipe = load_recipe(write_recipe(tmp_path, "kg", sources), check_paths=False)
     out = tmp_path / "engine"
     out.mkdir()
     (out / "engine.json").write_text(json.dumps(engine_config(recipe, "embedded")))
@@ -65,7 +69,7 @@ def scripted(tmp_path, answer="1042", logs=None, **kw):
     def factory():
         made.append(ScriptedEngine(boxed(answer)))
         return made[-1]
-    p = Predictor(engine_folder(tmp_path), problems=3, engine_factory=factory,
+    p = Predictor(engine_folder(tmp_path), serving=serving_spec(), problems=3, engine_factory=factory,
                   log=(logs.append if logs is not None else lambda m: None), **kw)
     return p, made
 
@@ -76,8 +80,9 @@ def test_predict_takes_one_series_per_csv_column_and_returns_the_id_as_given(tmp
     def factory():
         made.append(ScriptedEngine(boxed("1042")))
         return made[-1]
-    p = Predictor(engine_folder(tmp_path, solver={"modulus": 1000, "samples": 2, "early_stop_first": 2,
-                                                  "early_stop_agree": 2, "enough_finished": 2}),
+    p = Predictor(engine_folder(tmp_path), serving=serving_spec(solver={"modulus": 1000, "samples": 2,
+                                                                        "early_stop_first": 2, "early_stop_agree": 2,
+                                                                        "enough_finished": 2}),
                   problems=3, engine_factory=factory, log=lambda m: None)
     assert not made  # nothing loaded before the first call
     row = csv_row(tmp_path)
@@ -138,7 +143,8 @@ def test_a_null_or_oversized_problem_is_answered_by_default_without_the_engine(t
 def test_an_engine_that_cannot_load_fails_loudly_instead_of_answering_zeros(tmp_path):
     def broken():
         raise RuntimeError("CUDA out of memory")
-    p = Predictor(engine_folder(tmp_path), problems=2, engine_factory=broken, log=lambda m: None)
+    p = Predictor(engine_folder(tmp_path), serving=serving_spec(), problems=2, engine_factory=broken,
+                  log=lambda m: None)
     with pytest.raises(EngineStartError, match="could not be loaded: RuntimeError: CUDA out of memory"):
         p.predict(*series("q1", "x"))
     p.close()
@@ -209,7 +215,8 @@ def test_a_dead_engine_is_restarted_and_the_problem_continues_from_fresh_samples
         lives.append(DyingEngine(die=not lives))
         return lives[-1]
     logs = []
-    p = Predictor(engine_folder(tmp_path), problems=2, engine_factory=factory, log=logs.append)
+    p = Predictor(engine_folder(tmp_path), serving=serving_spec(), problems=2, engine_factory=factory,
+                  log=logs.append)
     assert p.predict(*series("q1", "x"))["answer"][0] == 5
     assert len(lives) == 2 and p.restarts == 1 and any("restarting" in m for m in logs)
     p.close()
@@ -250,7 +257,8 @@ def test_the_predictor_restarts_an_embedded_engine_whose_thread_died(tmp_path, t
         lives.append(EmbeddedEngine.from_dir(tiny_models["llama-tir"], max_seq_len=128, device="cpu"))
         return lives[-1]
     logs = []
-    p = Predictor(engine_folder(tmp_path), problems=3, engine_factory=factory, log=logs.append)
+    p = Predictor(engine_folder(tmp_path), serving=serving_spec(), problems=3, engine_factory=factory,
+                  log=logs.append)
     p.predict(*series("q1", "What is 1 plus 1?"))
     kill_engine_thread(lives[0])
     t0 = time.monotonic()
@@ -271,7 +279,7 @@ def test_generated_notebook_runs_against_the_faithful_gateway_on_the_shipped_pro
     shipped = ROOT / "engines" / "problems" / "smoke.csv"
     n = len(shipped.read_text().strip().splitlines()) - 1
     dataset = tmp_path / "input" / "datasets" / "someone" / "aimo-trt-smoke"  # found by the notebook, not told
-    info = build(engine_folder(tmp_path, tiny_models), dataset, shipped, wheels="project", problems=n,
+    info = build(engine_folder(tmp_path, tiny_models), dataset, shipped, serving_spec(), wheels="project", problems=n,
                  dataset_name="aimo-trt-smoke")
     assert [w.startswith("aimo_trt-") for w in info["wheels"]] == [True] and info["dataset"] == "aimo-trt-smoke"
     monkeypatch.setenv("PYTHONPATH", str(ROOT / "tests" / "kaggle_double"))
@@ -307,13 +315,39 @@ def test_the_notebook_in_a_rerun_without_kaggle_evaluation_fails_at_its_first_ce
     problems = tmp_path / "p.csv"
     problems.write_text("id,problem,answer\n1,one,1\n")
     dataset = tmp_path / "aimo-trt"
-    build(engine_folder(tmp_path, tiny_models), dataset, problems, wheels="project", problems=1)
+    build(engine_folder(tmp_path, tiny_models), dataset, problems, serving_spec(), wheels="project", problems=1)
     monkeypatch.setenv("KAGGLE_IS_COMPETITION_RERUN", "1")
     monkeypatch.delenv("PYTHONPATH", raising=False)
     out = tmp_path / "working"
     report = execute(dataset, out, site=tmp_path / "site", timeout=120, env={"AIMO_KAGGLE_INPUT": str(tmp_path)})
     assert report["error"] and "the scored rerun needs kaggle_evaluation" in report["error"]
     assert not (out / "submission.parquet").exists() and "installed" not in report["printed"]
+
+
+def test_the_dataset_carries_the_recipes_serving_settings_not_the_engine_folders(tmp_path, tiny_models, monkeypatch):
+    """engine.json holds only what the build decided: `make kaggle` writes the recipe's serving section
+    beside engine/ and the predictor reads it there; a stale copy in an old engine.json is ignored."""
+    from server.embedded.settings import serving_settings
+    from server.kaggle import package
+    from server.kaggle.predict import SERVING_FILE
+
+    problems = tmp_path / "p.csv"
+    problems.write_text("id,problem,answer\na,one,1\n")
+    engine = engine_folder(tmp_path, tiny_models)
+    spec = json.loads((engine / "engine.json").read_text())
+    (engine / "engine.json").write_text(json.dumps({**spec, "serving": {"solver": {"samples": 9}}}))
+    monkeypatch.setattr(package.subprocess, "run", lambda *a, **kw: None)  # no wheels: not what is tested here
+    dataset = tmp_path / "aimo-trt"
+    serving = serving_spec(solver={"samples": 3, "early_stop_first": 2, "early_stop_agree": 2, "enough_finished": 3,
+                                   "vote": "entropy"})
+    package.build(engine, dataset, problems, serving)
+    p = Predictor(dataset / "engine", serving=dataset / SERVING_FILE, problems=1, engine_factory=lambda: None)
+    assert p.serving == serving_settings(serving) and p.serving.solver.samples == 3
+    (dataset / SERVING_FILE).write_text('{"solver": {"vote": "median"}}')
+    with pytest.raises(ValueError, match="serving.json: serving.solver.vote"):
+        Predictor(dataset / "engine", serving=dataset / SERVING_FILE, problems=1)
+    with pytest.raises(FileNotFoundError, match="make kaggle"):
+        Predictor(dataset / "engine", serving=tmp_path / "nowhere.json", problems=1)
 
 
 # ------------------------------------------------------------------ make kaggle BACKEND=trtllm
@@ -347,9 +381,10 @@ def test_a_trtllm_engine_without_the_tensorrt_llm_wheels_fails_clearly(tmp_path)
     problems.write_text("id,problem,answer\na,one,1\n")
     eng = trtllm_engine_folder(tmp_path)
     with pytest.raises(ValueError, match="TRTLLM_WHEELS"):
-        build(eng, tmp_path / "out", problems)
+        build(eng, tmp_path / "out", problems, serving_spec())
     with pytest.raises(ValueError, match="no tensorrt_llm-1.2.x"):
-        build(eng, tmp_path / "out", problems, trtllm_wheels=wheel_set(tmp_path, ("torch-2.9.1-cp312-none.whl",)))
+        build(eng, tmp_path / "out", problems, serving_spec(),
+              trtllm_wheels=wheel_set(tmp_path, ("torch-2.9.1-cp312-none.whl",)))
     assert not (tmp_path / "out").exists()
 
 
@@ -359,7 +394,8 @@ def test_trtllm_kaggle_folder_ships_the_wheel_set_and_the_notebook_installs_it_o
     problems = tmp_path / "p.csv"
     problems.write_text("id,problem,answer\na,one,1\n")
     out = tmp_path / "aimo-trt"
-    info = build(trtllm_engine_folder(tmp_path), out, problems, wheels="runtime", trtllm_wheels=wheel_set(tmp_path))
+    info = build(trtllm_engine_folder(tmp_path), out, problems, serving_spec(), wheels="runtime",
+                 trtllm_wheels=wheel_set(tmp_path))
     assert info["backend"] == "trtllm" and info["mode"] == "project"  # TensorRT-LLM's set brings its own pins
     assert sorted(p.name for p in (out / "wheels" / "trtllm").iterdir()) == [
         "tensorrt_llm-1.2.1-cp312-cp312-linux_x86_64.whl", "transformers-4.57.3-py3-none-any.whl"]
@@ -395,13 +431,13 @@ def test_make_kaggle_checks_its_inputs_before_writing_anything(tmp_path, tiny_mo
     shutil.rmtree(broken / "model")
     out = tmp_path / "out"
     with pytest.raises(EngineFolderError, match="model: missing"):
-        build(broken, out, problems)
+        build(broken, out, problems, serving_spec())
     with pytest.raises(ValueError, match="dataset name 'My Set!'"):
-        build(good, out, problems, dataset_name="My Set!")
+        build(good, out, problems, serving_spec(), dataset_name="My Set!")
     bad_csv = tmp_path / "bad.csv"
     bad_csv.write_bytes(b"id,problem\na,caf\xe9\n")
     with pytest.raises(ValueError, match="bad.csv: line 2: not UTF-8"):
-        build(good, out, bad_csv)
+        build(good, out, bad_csv, serving_spec())
     assert not out.exists()
 
 
@@ -413,7 +449,8 @@ def test_an_engine_that_dies_and_cannot_be_restarted_fails_loudly(tmp_path):
             raise RuntimeError("CUDA error: an illegal memory access")
         lives.append(DyingEngine(die=False))
         return lives[-1]
-    p = Predictor(engine_folder(tmp_path), problems=3, engine_factory=factory, log=lambda m: None)
+    p = Predictor(engine_folder(tmp_path), serving=serving_spec(), problems=3, engine_factory=factory,
+                  log=lambda m: None)
     assert p.predict(*series("q1", "x"))["answer"][0] == 5
     lives[0].die = True  # found dead before the next problem
     with pytest.raises(EngineStartError, match="illegal memory access"):
@@ -501,7 +538,7 @@ def test_a_malformed_python_version_is_refused_before_anything_is_written(tmp_pa
     problems = tmp_path / "p.csv"
     problems.write_text("id,problem,answer\na,one,1\n")
     with pytest.raises(ValueError, match=rf"python version {re.escape(repr(bad))}: use 3.MINOR, e.g. 3.11"):
-        build(engine_folder(tmp_path), tmp_path / "out", problems, python_version=bad)
+        build(engine_folder(tmp_path), tmp_path / "out", problems, serving_spec(), python_version=bad)
     with pytest.raises(ValueError, match="use 3.MINOR"):
         download_command([], tmp_path, bad)
     assert not (tmp_path / "out").exists()
