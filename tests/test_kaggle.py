@@ -16,7 +16,7 @@ import polars as pl
 import pytest
 
 from engine_double import ScriptedEngine
-from kaggle_kit import engine_folder
+from kaggle_kit import engine_folder, serving_spec
 from server.engine_check import EngineFolderError
 from server.kaggle.predict import EngineStartError, Predictor
 from aimo_spec.protocol import Final
@@ -43,7 +43,7 @@ def scripted(tmp_path, answer="1042", logs=None, **kw):
     def factory():
         made.append(ScriptedEngine(boxed(answer)))
         return made[-1]
-    p = Predictor(engine_folder(tmp_path), problems=3, engine_factory=factory,
+    p = Predictor(engine_folder(tmp_path), serving=serving_spec(), problems=3, engine_factory=factory,
                   log=(logs.append if logs is not None else lambda m: None), **kw)
     return p, made
 
@@ -54,7 +54,7 @@ def test_predict_takes_one_series_per_csv_column_and_returns_the_id_as_given(tmp
     def factory():
         made.append(ScriptedEngine(boxed("1042")))
         return made[-1]
-    p = Predictor(engine_folder(tmp_path, solver={"modulus": 1000, "samples": 2, "early_stop_first": 2,
+    p = Predictor(engine_folder(tmp_path), serving=serving_spec(solver={"modulus": 1000, "samples": 2, "early_stop_first": 2,
                                                   "early_stop_agree": 2, "enough_finished": 2}),
                   problems=3, engine_factory=factory, log=lambda m: None)
     assert not made  # nothing loaded before the first call
@@ -116,7 +116,7 @@ def test_a_null_or_oversized_problem_is_answered_by_default_without_the_engine(t
 def test_an_engine_that_cannot_load_fails_loudly_instead_of_answering_zeros(tmp_path):
     def broken():
         raise RuntimeError("CUDA out of memory")
-    p = Predictor(engine_folder(tmp_path), problems=2, engine_factory=broken, log=lambda m: None)
+    p = Predictor(engine_folder(tmp_path), serving=serving_spec(), problems=2, engine_factory=broken, log=lambda m: None)
     with pytest.raises(EngineStartError, match="could not be loaded: RuntimeError: CUDA out of memory"):
         p.predict(*series("q1", "x"))
     p.close()
@@ -187,7 +187,7 @@ def test_a_dead_engine_is_restarted_and_the_problem_continues_from_fresh_samples
         lives.append(DyingEngine(die=not lives))
         return lives[-1]
     logs = []
-    p = Predictor(engine_folder(tmp_path), problems=2, engine_factory=factory, log=logs.append)
+    p = Predictor(engine_folder(tmp_path), serving=serving_spec(), problems=2, engine_factory=factory, log=logs.append)
     assert p.predict(*series("q1", "x"))["answer"][0] == 5
     assert len(lives) == 2 and p.restarts == 1 and any("restarting" in m for m in logs)
     p.close()
@@ -228,7 +228,7 @@ def test_the_predictor_restarts_an_embedded_engine_whose_thread_died(tmp_path, t
         lives.append(EmbeddedEngine.from_dir(tiny_models["llama-tir"], max_seq_len=128, device="cpu"))
         return lives[-1]
     logs = []
-    p = Predictor(engine_folder(tmp_path), problems=3, engine_factory=factory, log=logs.append)
+    p = Predictor(engine_folder(tmp_path), serving=serving_spec(), problems=3, engine_factory=factory, log=logs.append)
     p.predict(*series("q1", "What is 1 plus 1?"))
     kill_engine_thread(lives[0])
     t0 = time.monotonic()
@@ -246,7 +246,7 @@ def test_an_engine_that_dies_and_cannot_be_restarted_fails_loudly(tmp_path):
             raise RuntimeError("CUDA error: an illegal memory access")
         lives.append(DyingEngine(die=False))
         return lives[-1]
-    p = Predictor(engine_folder(tmp_path), problems=3, engine_factory=factory, log=lambda m: None)
+    p = Predictor(engine_folder(tmp_path), serving=serving_spec(), problems=3, engine_factory=factory, log=lambda m: None)
     assert p.predict(*series("q1", "x"))["answer"][0] == 5
     lives[0].die = True  # found dead before the next problem
     with pytest.raises(EngineStartError, match="illegal memory access"):

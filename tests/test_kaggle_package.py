@@ -14,8 +14,9 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from kaggle_kit import ROOT, engine_folder
+from kaggle_kit import ROOT, engine_folder, serving_spec
 from server.engine_check import EngineFolderError
+from server.kaggle.predict import Predictor
 from small_recipes import write_recipe
 from trtbuild.build import engine_config
 from aimo_spec.recipe import load_recipe
@@ -32,7 +33,7 @@ def test_generated_notebook_runs_against_the_faithful_gateway_on_the_shipped_pro
     shipped = ROOT / "engines" / "problems" / "smoke.csv"
     n = len(shipped.read_text().strip().splitlines()) - 1
     dataset = tmp_path / "input" / "datasets" / "someone" / "aimo-trt-smoke"  # found by the notebook, not told
-    info = build(engine_folder(tmp_path, tiny_models), dataset, shipped, wheels="project", problems=n,
+    info = build(engine_folder(tmp_path, tiny_models), dataset, shipped, serving_spec(), wheels="project", problems=n,
                  dataset_name="aimo-trt-smoke")
     assert [w.startswith("aimo_trt-") for w in info["wheels"]] == [True] and info["dataset"] == "aimo-trt-smoke"
     monkeypatch.setenv("PYTHONPATH", str(ROOT / "tests" / "kaggle_double"))
@@ -68,13 +69,39 @@ def test_the_notebook_in_a_rerun_without_kaggle_evaluation_fails_at_its_first_ce
     problems = tmp_path / "p.csv"
     problems.write_text("id,problem,answer\n1,one,1\n")
     dataset = tmp_path / "aimo-trt"
-    build(engine_folder(tmp_path, tiny_models), dataset, problems, wheels="project", problems=1)
+    build(engine_folder(tmp_path, tiny_models), dataset, problems, serving_spec(), wheels="project", problems=1)
     monkeypatch.setenv("KAGGLE_IS_COMPETITION_RERUN", "1")
     monkeypatch.delenv("PYTHONPATH", raising=False)
     out = tmp_path / "working"
     report = execute(dataset, out, site=tmp_path / "site", timeout=120, env={"AIMO_KAGGLE_INPUT": str(tmp_path)})
     assert report["error"] and "the scored rerun needs kaggle_evaluation" in report["error"]
     assert not (out / "submission.parquet").exists() and "installed" not in report["printed"]
+
+
+def test_the_dataset_carries_the_recipes_serving_settings_not_the_engine_folders(tmp_path, tiny_models, monkeypatch):
+    """engine.json holds only what the build decided: `make kaggle` writes the recipe's serving section
+    beside engine/ and the predictor reads it there; a stale copy in an old engine.json is ignored."""
+    from server.embedded.settings import serving_settings
+    from server.kaggle import package
+    from server.kaggle.predict import SERVING_FILE
+
+    problems = tmp_path / "p.csv"
+    problems.write_text("id,problem,answer\na,one,1\n")
+    engine = engine_folder(tmp_path, tiny_models)
+    spec = json.loads((engine / "engine.json").read_text())
+    (engine / "engine.json").write_text(json.dumps({**spec, "serving": {"solver": {"samples": 9}}}))
+    monkeypatch.setattr(package.subprocess, "run", lambda *a, **kw: None)  # no wheels: not what is tested here
+    dataset = tmp_path / "aimo-trt"
+    serving = serving_spec(solver={"samples": 3, "early_stop_first": 2, "early_stop_agree": 2, "enough_finished": 3,
+                                   "vote": "entropy"})
+    package.build(engine, dataset, problems, serving)
+    p = Predictor(dataset / "engine", serving=dataset / SERVING_FILE, problems=1, engine_factory=lambda: None)
+    assert p.serving == serving_settings(serving) and p.serving.solver.samples == 3
+    (dataset / SERVING_FILE).write_text('{"solver": {"vote": "median"}}')
+    with pytest.raises(ValueError, match="serving.json: serving.solver.vote"):
+        Predictor(dataset / "engine", serving=dataset / SERVING_FILE, problems=1)
+    with pytest.raises(FileNotFoundError, match="make kaggle"):
+        Predictor(dataset / "engine", serving=tmp_path / "nowhere.json", problems=1)
 
 
 # ------------------------------------------------------------------ make kaggle BACKEND=trtllm
@@ -108,9 +135,9 @@ def test_a_trtllm_engine_without_the_tensorrt_llm_wheels_fails_clearly(tmp_path)
     problems.write_text("id,problem,answer\na,one,1\n")
     eng = trtllm_engine_folder(tmp_path)
     with pytest.raises(ValueError, match="TRTLLM_WHEELS"):
-        build(eng, tmp_path / "out", problems)
+        build(eng, tmp_path / "out", problems, serving_spec())
     with pytest.raises(ValueError, match="no tensorrt_llm-1.2.x"):
-        build(eng, tmp_path / "out", problems, trtllm_wheels=wheel_set(tmp_path, ("torch-2.9.1-cp312-none.whl",)))
+        build(eng, tmp_path / "out", problems, serving_spec(), trtllm_wheels=wheel_set(tmp_path, ("torch-2.9.1-cp312-none.whl",)))
     assert not (tmp_path / "out").exists()
 
 
@@ -120,7 +147,7 @@ def test_trtllm_kaggle_folder_ships_the_wheel_set_and_the_notebook_installs_it_o
     problems = tmp_path / "p.csv"
     problems.write_text("id,problem,answer\na,one,1\n")
     out = tmp_path / "aimo-trt"
-    info = build(trtllm_engine_folder(tmp_path), out, problems, wheels="runtime", trtllm_wheels=wheel_set(tmp_path))
+    info = build(trtllm_engine_folder(tmp_path), out, problems, serving_spec(), wheels="runtime", trtllm_wheels=wheel_set(tmp_path))
     assert info["backend"] == "trtllm" and info["mode"] == "project"  # TensorRT-LLM's set brings its own pins
     assert sorted(p.name for p in (out / "wheels" / "trtllm").iterdir()) == [
         "tensorrt_llm-1.2.1-cp312-cp312-linux_x86_64.whl", "transformers-4.57.3-py3-none-any.whl"]
@@ -156,13 +183,13 @@ def test_make_kaggle_checks_its_inputs_before_writing_anything(tmp_path, tiny_mo
     shutil.rmtree(broken / "model")
     out = tmp_path / "out"
     with pytest.raises(EngineFolderError, match="model: missing"):
-        build(broken, out, problems)
+        build(broken, out, problems, serving_spec())
     with pytest.raises(ValueError, match="dataset name 'My Set!'"):
-        build(good, out, problems, dataset_name="My Set!")
+        build(good, out, problems, serving_spec(), dataset_name="My Set!")
     bad_csv = tmp_path / "bad.csv"
     bad_csv.write_bytes(b"id,problem\na,caf\xe9\n")
     with pytest.raises(ValueError, match="bad.csv: line 2: not UTF-8"):
-        build(good, out, bad_csv)
+        build(good, out, bad_csv, serving_spec())
     assert not out.exists()
 
 
@@ -246,7 +273,7 @@ def test_a_malformed_python_version_is_refused_before_anything_is_written(tmp_pa
     problems = tmp_path / "p.csv"
     problems.write_text("id,problem,answer\na,one,1\n")
     with pytest.raises(ValueError, match=rf"python version {re.escape(repr(bad))}: use 3.MINOR, e.g. 3.11"):
-        build(engine_folder(tmp_path), tmp_path / "out", problems, python_version=bad)
+        build(engine_folder(tmp_path), tmp_path / "out", problems, serving_spec(), python_version=bad)
     with pytest.raises(ValueError, match="use 3.MINOR"):
         download_command([], tmp_path, bad)
     assert not (tmp_path / "out").exists()

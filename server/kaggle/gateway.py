@@ -1,6 +1,7 @@
 """A local gateway that calls `predict` the way Kaggle's AIMO gateway does, for use off Kaggle.
 
-    python -m server.kaggle.gateway --engine engines/mix/build/embedded --problems engines/problems/smoke.csv
+    python -m server.kaggle.gateway --engine engines/mix/build/embedded --problems engines/problems/smoke.csv \
+        [--serving engines/mix/kaggle/serving.json]
 
 Like the real one (facts in tests/upstream/kaggle_evaluation.json) it reads the CSV with polars
 (types inferred: numeric ids are Int64), shuffles it, and calls `predict(*row)` one row at a time,
@@ -168,6 +169,8 @@ def run(predict: Callable[..., Any], problems: Path, out: Path, seed: int = 0, c
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m server.kaggle.gateway", description=__doc__.splitlines()[0])
     ap.add_argument("--engine", required=True)
+    ap.add_argument("--serving", default=None, help="the serving settings: a Kaggle dataset's serving.json "
+                                                    "(default: the defaults)")
     ap.add_argument("--problems", required=True, type=Path)
     ap.add_argument("--out", type=Path, default=Path("runs/kaggle"))
     ap.add_argument("--seed", type=int, default=0)
@@ -180,7 +183,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         n = read_frame(args.problems).height
         predictor = Predictor(args.engine, problems=n, samples=args.samples, url=args.url,
-                              competition=args.competition)
+                              competition=args.competition, serving=args.serving)
     except (GatewayError, ValueError, FileNotFoundError) as e:
         print(f"gateway: {e}", file=sys.stderr)
         return 2
