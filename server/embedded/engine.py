@@ -3,7 +3,8 @@
 On a CPU the runner is `SlotRunner` (the model's own layers, a growing slot cache); on a GPU it is
 `GraphRunner` (static KV, fused projections, CUDA graphs per batch bucket) and sampling runs on the
 device with one host transfer per step. `device` is `auto` (CUDA when there is one), `cpu` or
-`cuda[:N]`; engine folders carry it in their serving section, and every command can override it.
+`cuda[:N]`; the recipe's serving section sets it (server/embedded/settings.py), and every command
+can override it.
 
 The engine wires three parts and owns the thread they run on (as vLLM v1's EngineCore: schedule,
 execute, update): the scheduler (scheduler.py: admission, slots, prefix reuse, batch composition), a
