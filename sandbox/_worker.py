@@ -823,6 +823,10 @@ def _run_session_cell(child, req, cfg):
         return {"status": status, "stdout": caps[child.out_r].render(), "stderr": caps[child.err_r].render(),
                 "seconds": elapsed, "crashed": crash, "clean": True}
     clean = _kill_others_and_reap(keep=child.pid)
+    # Read again once the cell's leftovers are dead: what a process it started (or a forked copy of the
+    # runner) wrote after the status came back belongs to this cell, not to the next one.
+    for fd in (child.out_r, child.err_r):
+        _drain(fd, caps[fd])
     return {"status": msg["status"], "stdout": caps[child.out_r].render(), "stderr": caps[child.err_r].render(),
             "seconds": float(msg["seconds"]), "crashed": None, "clean": clean}
 
