@@ -54,7 +54,7 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """`python -m server.openai.serve --engine <dir>` on 127.0.0.1 and an ephemeral port."""
+    """`python -m server.programs.serve --engine <dir>` on 127.0.0.1 and an ephemeral port."""
 
     def __init__(self, engine_dir: Path, log: Path, *extra: str):
         self.engine_dir, self.log, self.extra = engine_dir, log, extra
@@ -71,7 +71,7 @@ class ServerProcess:
 
     def start(self) -> "ServerProcess":
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "server.openai.serve", "--engine", str(self.engine_dir), "--port", str(self.port),
+            [sys.executable, "-m", "server.programs.serve", "--engine", str(self.engine_dir), "--port", str(self.port),
              "--threads", "1", "--max-batch-size", "8", "--max-seq-len", "384", "--model-name", "tiny", *self.extra],
             stdout=self.log.open("a"), stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
             env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})

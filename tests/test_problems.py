@@ -110,7 +110,7 @@ def test_ctrl_c_keeps_the_problems_already_solved(tmp_path, exc):
 
 
 def test_results_are_written_after_every_problem_and_a_full_disk_keeps_the_last_good_file(tmp_path, monkeypatch):
-    from server.solve import ResultsWriter
+    from server.programs.solve import ResultsWriter
 
     logs = []
     writer = ResultsWriter(tmp_path / "results.json", logs.append)

@@ -69,7 +69,7 @@ class Server:
         t0 = time.monotonic()
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "server.triton.embedded_server", "--engine", str(self.engine_dir),
+            [sys.executable, "-m", "server.programs.triton_embedded", "--engine", str(self.engine_dir),
              "--grpc-port", str(self.grpc), "--http-port", str(self.http), "--metrics-port", str(self.metrics)],
             stdout=self.log.open("a"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
         if wait:

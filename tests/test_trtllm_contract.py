@@ -87,7 +87,7 @@ def test_w8a16_converts_in_process_and_builds_with_the_aimo2_flags(project, exam
     assert [name for name, _, _ in runner.commands] == ["checkpoint", "engine"]
     _, ckpt, env = runner.commands[0]
     merged = recipe.out_dir / "merge" / "model"
-    assert ckpt[:3] == [PY, "-m", "trtbuild.trtllm.convert"]
+    assert ckpt[:3] == [PY, "-m", "trtbuild.programs.trtllm_convert"]
     assert ckpt[3:] == ["--model_dir", str(merged), "--output_dir", ckpt[6], "--dtype", "bfloat16",
                         "--tp_size", "1", "--quant_algo", "W8A16"]
     assert env["PYTHONPATH"] == str(Path(__file__).resolve().parents[1])
@@ -251,9 +251,9 @@ def test_doctor_says_why_trtllm_is_not_usable_here(capsys):
 
 
 def test_mpirun_launch_for_tensor_parallel():
-    from server.trtllm.launch import mpirun_command
+    from server.programs.trtllm_launch import mpirun_command
 
-    assert mpirun_command(1, ["python", "-m", "server.solve"]) == ["python", "-m", "server.solve"]
+    assert mpirun_command(1, ["python", "-m", "server.programs.solve"]) == ["python", "-m", "server.programs.solve"]
     assert mpirun_command(2, ["python", "x"], as_root=True) == [
         "mpirun", "-n", "2", "--allow-run-as-root", "--oversubscribe", "python", "x"]
 
@@ -417,8 +417,8 @@ def test_worker_ranks_wait_for_the_leader_and_exit(engine_dir):
 
 
 def test_solve_runs_tir_through_the_trtllm_backend(engine_dir, project, tmp_path, capsys):
-    """`server.solve --backend trtllm` end to end: TIR code run in the real sandbox, answers voted."""
-    from server.solve import main as solve_main
+    """`server.programs.solve --backend trtllm` end to end: TIR code run in the real sandbox, answers voted."""
+    from server.programs.solve import main as solve_main
     from server.trtllm.engine import TrtllmEngine
 
     recipe = project()

@@ -109,7 +109,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     port = free_port()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the server below is killed on the way out
     t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "server.openai.serve", "--engine", str(args.engine), "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "server.programs.serve", "--engine", str(args.engine), "--port", str(port),
                              *(["--threads", str(args.threads)] if args.threads else [])],
                             env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)

@@ -86,7 +86,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         direct.shutdown()
     grpc, http, metrics = free_port(), free_port(), free_port()
     t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "server.triton.embedded_server", "--engine", str(args.engine),
+    proc = subprocess.Popen([sys.executable, "-m", "server.programs.triton_embedded", "--engine", str(args.engine),
                              "--grpc-port", str(grpc), "--http-port", str(http), "--metrics-port", str(metrics)],
                             env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)

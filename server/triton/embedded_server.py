@@ -1,6 +1,6 @@
 """The embedded engine behind a real Triton Inference Server (the tritonserver PyTriton bundles; CPU-only).
 
-    python -m server.triton.embedded_server --engine engines/mix/build/embedded [--grpc-port 8001 ...]
+The program: server/programs/triton_embedded.py (`make triton`).
 
 Serves the `ensemble` interface (server/triton/interface.py) in decoupled (streaming) mode from an
 async generator, so many requests share one in-flight batch. The model is loaded before it is bound:
@@ -11,14 +11,11 @@ Triton's readiness endpoint says ready only once the engine can serve. A request
 
 from __future__ import annotations
 
-import argparse
 import os
-import signal
-import sys
 import sysconfig
 import time
 from pathlib import Path
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator
 
 from server.triton.interface import INPUTS, KEY_PARAMETER, MODEL, OUTPUTS, STOP_PARAMETER
 
@@ -163,24 +160,3 @@ def serve(engine_dir: Path, grpc_port: int, http_port: int, metrics_port: int, l
             triton.serve()
         finally:
             engine.shutdown()
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m server.triton.embedded_server", description=__doc__.splitlines()[0])
-    ap.add_argument("--engine", required=True, type=Path, help="an embedded engine folder (build/embedded/)")
-    ap.add_argument("--grpc-port", type=int, default=8001)
-    ap.add_argument("--http-port", type=int, default=8000)
-    ap.add_argument("--metrics-port", type=int, default=8002)
-    args = ap.parse_args(argv)
-    if not (args.engine / "engine.json").is_file() and not (args.engine / "config.json").is_file():
-        print(f"triton: {args.engine}: no embedded engine; run `make engine` first", file=sys.stderr)
-        return 2
-    for sig in (signal.SIGTERM, signal.SIGHUP):  # unwind through Triton's context: tritonserver stops too
-        signal.signal(sig, lambda *_: sys.exit(0))
-    serve(args.engine, args.grpc_port, args.http_port, args.metrics_port,
-          log=lambda m: print(m, file=sys.stderr, flush=True))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
