@@ -15,26 +15,11 @@ import time
 from pathlib import Path
 from typing import Optional
 
-import pytest
+from hang_guard import fail_after
 
 ROOT = Path(__file__).resolve().parents[1]
 TEST_SECONDS = 120
-
-
-@pytest.fixture(autouse=True)
-def hang_guard():
-    import faulthandler
-
-    def expire(signum, frame):
-        faulthandler.dump_traceback(all_threads=True)
-        raise TimeoutError(f"test exceeded {TEST_SECONDS}s")
-    old = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(TEST_SECONDS)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
+hang_guard = fail_after(TEST_SECONDS)
 
 
 def wait_for(cond, timeout: float = 30.0) -> bool:
