@@ -143,7 +143,7 @@ triton: build
 else
 # the embedded engine behind a real Triton server (foreground; Ctrl-C stops it)
 triton: build $(TRITON_SETUP)
-	PYTHONPATH=$(CURDIR) $(TRITON_PY) -m server.programs.triton_embedded --engine $(OUT)/build/embedded \
+	PYTHONPATH=$(CURDIR) $(TRITON_PY) -m server.programs.triton_embedded --engine $(OUT)/build/embedded --recipe $(RECIPE) \
 		--grpc-port $(TRITON_GRPC_PORT) --http-port $(TRITON_HTTP_PORT) --metrics-port $(TRITON_METRICS_PORT)
 endif
 

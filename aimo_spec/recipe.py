@@ -253,7 +253,7 @@ def gguf_file(src: GGUFPackageSource, where: str) -> Path:
 
 
 def parse_section(data: Any, cls: Any, key: str, where: str) -> Any:
-    """One recipe section (e.g. the `serving` copy an engine.json carries), validated like a recipe."""
+    """One recipe section (e.g. the `serving.json` a Kaggle dataset carries), validated like a recipe."""
     return _convert(data, cls, key, where)
 
 

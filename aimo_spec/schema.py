@@ -184,7 +184,7 @@ class SamplingSpec:
 class ToolSpec:
     """The sandbox as the TIR client uses it."""
 
-    wall_seconds: float = 10.0  # per code call (anchors: AIMO-3 30 s, NeMo-Skills 10 s; README: measured)
+    wall_seconds: float = 10.0  # per code call (anchors: AIMO-3 30 s, NeMo-Skills 10 s; docs/sandbox.md: measured)
     memory_mb: int = 1024
     # one python session per sample, so a later block sees an earlier block's variables (as the AIMO-3
     # winners' Jupyter kernel and NeMo-Skills' IPython session); false: a fresh process per block
@@ -247,7 +247,7 @@ class ServingSpec:
     budget: BudgetSpec = field(default_factory=BudgetSpec)
     speculative: SpeculativeSpec = field(default_factory=SpeculativeSpec)
     # the embedded engine's deterministic mode: temperature-0 output token for token the same alone and in
-    # any batch (server/embedded/deterministic.py; its price in the README); EMBEDDED_DETERMINISTIC=0|1
+    # any batch (server/embedded/deterministic.py; its price in docs/serving.md); EMBEDDED_DETERMINISTIC=0|1
     # (make ... DETERMINISTIC=1) overrides it for one command
     deterministic: bool = False
 

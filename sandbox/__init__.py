@@ -4,7 +4,8 @@ harness down. Standard library only on the host side.
 """
 
 from sandbox.config import DEFAULT_PREIMPORTS, Limits, SandboxConfig
-from sandbox.pool import SandboxPool, Session
+from sandbox.pool import SandboxPool
+from sandbox.session import Session
 from sandbox.result import CellResult, Stream
 
 __all__ = ["CellResult", "DEFAULT_PREIMPORTS", "Limits", "SandboxConfig", "SandboxPool", "Session", "Stream"]

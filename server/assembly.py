@@ -2,8 +2,9 @@
 
 Every surface (`make solve`, `make eval`, the benchmarks, the Kaggle predictor) and the drafter's
 data generation build their parts here, from the recipe's spec objects as they are, so a serving
-setting means the same thing wherever it is read (the recipe's `serving`, or the copy an engine
-folder's `engine.json` carries).
+setting means the same thing wherever it is read (the recipe's `serving`, resolved with the
+command's overrides by `server.embedded.settings.serving_settings`, or the `serving.json` a Kaggle
+dataset carries).
 """
 
 from __future__ import annotations

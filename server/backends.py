@@ -1,7 +1,7 @@
 """The engine backends by name, imported lazily, and the one way to open an engine folder.
 
-    engine = open_engine("engines/mix/build/embedded")          # reads engine.json
-    engine = open_for_recipe(recipe, "auto")                     # the recipe's built engine
+    engine = open_engine("engines/mix/build/embedded")          # reads engine.json (what the build decided)
+    engine = open_for_recipe(recipe, "auto")                     # the recipe's built engine, its serving settings
 
 | backend  | driver                          | serves                                   |
 |----------|---------------------------------|------------------------------------------|
@@ -14,6 +14,10 @@
 else embedded. For serving, "can use" is "a trtllm engine folder was built and this python imports
 `tensorrt_llm`" (serving runs in-process; the build runs TensorRT-LLM's tools in their own
 environment, see `trtbuild/backends.py`).
+
+The serving settings an in-process engine runs with (device, speculative decoding, deterministic
+mode) come from the recipe through `server.embedded.settings.serving_settings`, never from the
+engine folder: a TensorRT-LLM engine fixed its own at build time.
 """
 
 from __future__ import annotations
@@ -22,9 +26,11 @@ import importlib
 import importlib.util
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from aimo_spec.layout import ENGINE_FILE, Layout
+from aimo_spec.recipe import ServingSpec
+from server.embedded.settings import serving_settings
 
 DRIVERS = {
     "embedded": ("server.embedded.engine", "EmbeddedEngine"),
@@ -58,9 +64,13 @@ def read_engine_file(folder: str | Path) -> dict[str, Any]:
     return spec
 
 
-def open_engine(folder: str | Path, **overrides: Any) -> Any:
-    """Serve an engine folder with the backend its `engine.json` names (embedded or trtllm)."""
+def open_engine(folder: str | Path, serving: Optional[ServingSpec] = None, **overrides: Any) -> Any:
+    """Serve an engine folder with the backend its `engine.json` names (embedded or trtllm). `serving`:
+    the command's settings (`serving_settings`), which the embedded engine runs with (without them:
+    the defaults under the command's environment)."""
     spec = read_engine_file(folder)
+    if spec["backend"] == "embedded" and serving is not None:
+        overrides["serving"] = serving
     return driver(spec["backend"]).from_dir(folder, **overrides)
 
 
@@ -83,9 +93,11 @@ def tokenizer_dir(layout: Layout) -> Path:
     raise FileNotFoundError(f"{layout.build}: no engine folder (its tokenizer); run `make engine` first")
 
 
-def open_for_recipe(recipe: Any, backend: str = "auto", triton_url: str = "localhost:8001", url: str = "") -> Any:
+def open_for_recipe(recipe: Any, backend: str = "auto", triton_url: str = "localhost:8001", url: str = "",
+                    serving: Optional[ServingSpec] = None) -> Any:
     """The engine that serves a recipe's build: its engine folder, or a server in front of it
-    (Triton at `triton_url`; OpenAI-compatible servers at `url`, comma-separated replicas)."""
+    (Triton at `triton_url`; OpenAI-compatible servers at `url`, comma-separated replicas).
+    `serving`: the command's settings when it resolved them (default: the recipe's, `serving_settings`)."""
     layout: Layout = recipe.layout
     chosen = serving_backend(layout, backend)
     if chosen == "triton":  # whichever engine the server runs; the tokenizer comes from its engine folder
@@ -98,4 +110,4 @@ def open_for_recipe(recipe: Any, backend: str = "auto", triton_url: str = "local
     if not layout.has_engine(chosen):
         raise FileNotFoundError(f"{layout.engine_file(chosen)}: no {chosen} engine; run "
                                 f"`make engine MODEL={recipe.name} BACKEND={chosen}` first")
-    return open_engine(folder)
+    return open_engine(folder, serving or serving_settings(recipe))

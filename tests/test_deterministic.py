@@ -146,28 +146,33 @@ def test_deterministic_mode_is_the_slot_runner_without_drafting(model_and_tokeni
                        deterministic=True)
 
 
-def test_the_engine_folder_and_the_environment_turn_it_on(tiny_models, monkeypatch, tmp_path):
+def test_the_serving_settings_and_the_environment_turn_it_on(tiny_models, monkeypatch, tmp_path):
+    """serving.deterministic (the recipe's), then EMBEDDED_DETERMINISTIC; a stale copy in engine.json is ignored."""
     import json
     import shutil
+
+    from aimo_spec.recipe import ServingSpec
+    from server.embedded.settings import DETERMINISTIC_ENV, serving_settings
 
     folder = tmp_path / "engine"
     shutil.copytree(tiny_models["llama-tir"], folder / "model")
     spec = {"backend": "embedded", "model_dir": "model", "limits": {"max_batch_size": 2, "max_seq_len": 128,
                                                                      "max_input_len": 100},
-            "serving": {"device": "cpu", "deterministic": True}}
+            "serving": {"device": "cpu", "deterministic": False}}  # as folders built before the settings moved
     (folder / "engine.json").write_text(json.dumps(spec))
-    monkeypatch.delenv(deterministic.ENV, raising=False)
-    eng = EmbeddedEngine.from_dir(folder, threads=1)
+    recipe_serving = ServingSpec(device="cpu", deterministic=True)
+    monkeypatch.delenv(DETERMINISTIC_ENV, raising=False)
+    eng = EmbeddedEngine.from_dir(folder, serving=serving_settings(recipe_serving), threads=1)
     try:
         assert eng.deterministic and eng.runner_kind == "slot"
     finally:
         eng.shutdown()
-    monkeypatch.setenv(deterministic.ENV, "0")
-    eng = EmbeddedEngine.from_dir(folder, threads=1)
+    monkeypatch.setenv(DETERMINISTIC_ENV, "0")
+    eng = EmbeddedEngine.from_dir(folder, serving=serving_settings(recipe_serving), threads=1)
     try:
         assert not eng.deterministic
     finally:
         eng.shutdown()
-    monkeypatch.setenv(deterministic.ENV, "yes")
+    monkeypatch.setenv(DETERMINISTIC_ENV, "yes")
     with pytest.raises(ValueError, match="EMBEDDED_DETERMINISTIC"):
         EmbeddedEngine.from_dir(folder, threads=1)

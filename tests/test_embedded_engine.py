@@ -68,7 +68,7 @@ def test_greedy_equals_hf_generate_with_staggered_joins_and_queueing(engine, hf)
         assert list(final.token_ids) == ref[: len(final.token_ids)] and len(final.token_ids) == len(ref)
         assert [t for d in deltas for t in d.token_ids] == list(final.token_ids)
         assert "".join(d.text for d in deltas) == final.text == hf[1].decode(ref, skip_special_tokens=True)
-    assert max(engine.stats.batch_sizes) == 3 and not engine._active
+    assert max(engine.stats.batch_sizes) == 3 and not engine.scheduler.running
 
 
 def test_prefix_reuse_is_exact(hf):
@@ -112,7 +112,7 @@ def test_cancel_mid_stream_frees_the_slot(engine, hf):
     final = events[-1]
     assert isinstance(final, Final) and sum(isinstance(e, Final) for e in events) == 1
     assert final.finish_reason in ("cancelled", "stop") and len(final.token_ids) < 200
-    assert not engine._active
+    assert not engine.scheduler.running
     _, again = asyncio.run(collect(engine, Request(text, GREEDY)))
     assert again.finish_reason in ("stop", "length")
 
@@ -126,7 +126,7 @@ def test_breaking_out_of_the_stream_cancels(engine, hf):
         await asyncio.sleep(0.3)
 
     asyncio.run(go())
-    assert not engine._active and not engine._by_id
+    assert engine.scheduler.idle and not engine.scheduler.by_id
 
 
 def test_deadline_ends_with_timeout(engine, hf):

@@ -1,14 +1,13 @@
-"""The Kaggle runner: predict (the real gateway's calling convention and types, answers in range, input
-robustness, loud start failures, engine liveness and restart), broken engine folders, and the
-generated notebook executed headlessly offline (nbclient) on a tiny model against the faithful test
-double of Kaggle's kaggle_evaluation (tests/kaggle_double)."""
+"""The Kaggle runner's predict: the real gateway's calling convention and types, answers in range, input
+robustness, loud start failures, engine liveness and restart, and broken engine folders. What `make
+kaggle` ships (the generated notebook executed headlessly offline against the faithful test double of
+Kaggle's kaggle_evaluation, the TensorRT-LLM wheel set, the wheels' target Python) is in
+test_kaggle_package.py."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
-import re
 import shutil
 import time
 from pathlib import Path
@@ -17,31 +16,10 @@ import polars as pl
 import pytest
 
 from engine_double import ScriptedEngine
+from kaggle_kit import engine_folder, serving_spec
 from server.engine_check import EngineFolderError
 from server.kaggle.predict import EngineStartError, Predictor
 from aimo_spec.protocol import Final
-from small_recipes import write_recipe
-from trtbuild.build import engine_config
-from aimo_spec.recipe import load_recipe
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def engine_folder(tmp_path: Path, tiny_models=None, **serving) -> Path:
-    """An engine folder like build/embedded/: engine.json (+ the tiny model when given)."""
-    sources = {"cot": {"kind": "hf", "path": str(tiny_models["llama-cot"]) if tiny_models else "a"},
-               "tir": {"kind": "hf", "path": str(tiny_models["llama-tir"]) if tiny_models else "b"}}
-    serving = {"sampling": {"max_tokens": 24}, "solver": {"samples": 2, "early_stop_first": 2,
-                                                          "early_stop_agree": 2, "enough_finished": 2,
-                                                          "vote": "majority"},
-               "budget": {"policy": "aimo2", "base_seconds": 20, "max_extra_seconds": 10}, **serving}
-    recipe = load_recipe(write_recipe(tmp_path, "kg", sources, serving=serving), check_paths=False)
-    out = tmp_path / "engine"
-    out.mkdir()
-    (out / "engine.json").write_text(json.dumps(engine_config(recipe, "embedded")))
-    if tiny_models:
-        shutil.copytree(tiny_models["llama-tir"], out / "model")
-    return out
 
 
 def boxed(answer: str):
@@ -65,7 +43,7 @@ def scripted(tmp_path, answer="1042", logs=None, **kw):
     def factory():
         made.append(ScriptedEngine(boxed(answer)))
         return made[-1]
-    p = Predictor(engine_folder(tmp_path), problems=3, engine_factory=factory,
+    p = Predictor(engine_folder(tmp_path), serving=serving_spec(), problems=3, engine_factory=factory,
                   log=(logs.append if logs is not None else lambda m: None), **kw)
     return p, made
 
@@ -76,7 +54,7 @@ def test_predict_takes_one_series_per_csv_column_and_returns_the_id_as_given(tmp
     def factory():
         made.append(ScriptedEngine(boxed("1042")))
         return made[-1]
-    p = Predictor(engine_folder(tmp_path, solver={"modulus": 1000, "samples": 2, "early_stop_first": 2,
+    p = Predictor(engine_folder(tmp_path), serving=serving_spec(solver={"modulus": 1000, "samples": 2, "early_stop_first": 2,
                                                   "early_stop_agree": 2, "enough_finished": 2}),
                   problems=3, engine_factory=factory, log=lambda m: None)
     assert not made  # nothing loaded before the first call
@@ -138,7 +116,7 @@ def test_a_null_or_oversized_problem_is_answered_by_default_without_the_engine(t
 def test_an_engine_that_cannot_load_fails_loudly_instead_of_answering_zeros(tmp_path):
     def broken():
         raise RuntimeError("CUDA out of memory")
-    p = Predictor(engine_folder(tmp_path), problems=2, engine_factory=broken, log=lambda m: None)
+    p = Predictor(engine_folder(tmp_path), serving=serving_spec(), problems=2, engine_factory=broken, log=lambda m: None)
     with pytest.raises(EngineStartError, match="could not be loaded: RuntimeError: CUDA out of memory"):
         p.predict(*series("q1", "x"))
     p.close()
@@ -209,7 +187,7 @@ def test_a_dead_engine_is_restarted_and_the_problem_continues_from_fresh_samples
         lives.append(DyingEngine(die=not lives))
         return lives[-1]
     logs = []
-    p = Predictor(engine_folder(tmp_path), problems=2, engine_factory=factory, log=logs.append)
+    p = Predictor(engine_folder(tmp_path), serving=serving_spec(), problems=2, engine_factory=factory, log=logs.append)
     assert p.predict(*series("q1", "x"))["answer"][0] == 5
     assert len(lives) == 2 and p.restarts == 1 and any("restarting" in m for m in logs)
     p.close()
@@ -250,7 +228,7 @@ def test_the_predictor_restarts_an_embedded_engine_whose_thread_died(tmp_path, t
         lives.append(EmbeddedEngine.from_dir(tiny_models["llama-tir"], max_seq_len=128, device="cpu"))
         return lives[-1]
     logs = []
-    p = Predictor(engine_folder(tmp_path), problems=3, engine_factory=factory, log=logs.append)
+    p = Predictor(engine_folder(tmp_path), serving=serving_spec(), problems=3, engine_factory=factory, log=logs.append)
     p.predict(*series("q1", "What is 1 plus 1?"))
     kill_engine_thread(lives[0])
     t0 = time.monotonic()
@@ -258,151 +236,6 @@ def test_the_predictor_restarts_an_embedded_engine_whose_thread_died(tmp_path, t
     assert len(lives) == 2 and p.restarts == 1 and any("found dead" in m for m in logs)
     assert time.monotonic() - t0 < p.serving.budget.base_seconds  # not a wait for the deadline
     p.close()
-
-
-def test_generated_notebook_runs_against_the_faithful_gateway_on_the_shipped_problems(tiny_models, tmp_path,
-                                                                                      monkeypatch):
-    """`make kaggle`'s folder, executed headlessly with the test double of Kaggle's kaggle_evaluation on
-    the path: the notebook imports it, its run_local_gateway calls predict(*row) with the shipped CSV's
-    three columns, validates each answer and writes submission.parquet."""
-    from server.kaggle.execute import execute
-    from server.kaggle.package import build
-
-    shipped = ROOT / "engines" / "problems" / "smoke.csv"
-    n = len(shipped.read_text().strip().splitlines()) - 1
-    dataset = tmp_path / "input" / "datasets" / "someone" / "aimo-trt-smoke"  # found by the notebook, not told
-    info = build(engine_folder(tmp_path, tiny_models), dataset, shipped, wheels="project", problems=n,
-                 dataset_name="aimo-trt-smoke")
-    assert [w.startswith("aimo_trt-") for w in info["wheels"]] == [True] and info["dataset"] == "aimo-trt-smoke"
-    monkeypatch.setenv("PYTHONPATH", str(ROOT / "tests" / "kaggle_double"))
-    monkeypatch.setenv("KAGGLE_DOUBLE_SEED", "1")
-    out, site = tmp_path / "working", tmp_path / "site"
-    report = execute(dataset, out, site=site, problems=n, samples=2, timeout=900,
-                     env={"AIMO_TRT_DATASET": "", "AIMO_KAGGLE_INPUT": str(tmp_path / "input")})
-    assert report["error"] is None, report["error"]
-    assert "kaggle_evaluation:" in report["printed"] and str(ROOT / "tests" / "kaggle_double") in report["printed"]
-    double = report["double_report"]
-    assert double["error"] is None and len(double["calls"]) == n
-    assert double["core"] == "0.9.0" and double["competition"] == "aimo3"  # under AIMO-3's rules (plain-function listener)
-    assert all(c["args"] == ["id", "problem", "answer"] for c in double["calls"])
-    assert report["problems"] == n and not report["missing"] and report["scored"] == n
-    sub = pl.read_parquet(out / "submission.parquet")
-    assert sub.columns == ["id", "answer"] and sub["answer"].dtype == pl.Int64
-    assert sub["answer"].is_between(0, 99999).all()
-    assert (site / "server" / "kaggle" / "predict.py").is_file()  # the notebook ran the installed wheel
-    first = double["calls"][0]["started_after_import"]
-    times = report["aimo_trt_timings"]
-    assert 0 < first < report["notebook_seconds"] and 0 < times["first_call"] <= times["first_answer"]
-    assert double["startup_warning"] is False
-    print(f"notebook: first predict {first}s after kaggle_evaluation was imported ({times['first_call']}s after the "
-          f"first cell), first answer {times['first_answer']}s; {report['correct']}/{report['scored']} correct; "
-          f"{report['notebook_seconds']}s in all")
-
-
-def test_the_notebook_in_a_rerun_without_kaggle_evaluation_fails_at_its_first_cell(tmp_path, tiny_models,
-                                                                                   monkeypatch):
-    from server.kaggle.execute import execute
-    from server.kaggle.package import build
-
-    problems = tmp_path / "p.csv"
-    problems.write_text("id,problem,answer\n1,one,1\n")
-    dataset = tmp_path / "aimo-trt"
-    build(engine_folder(tmp_path, tiny_models), dataset, problems, wheels="project", problems=1)
-    monkeypatch.setenv("KAGGLE_IS_COMPETITION_RERUN", "1")
-    monkeypatch.delenv("PYTHONPATH", raising=False)
-    out = tmp_path / "working"
-    report = execute(dataset, out, site=tmp_path / "site", timeout=120, env={"AIMO_KAGGLE_INPUT": str(tmp_path)})
-    assert report["error"] and "the scored rerun needs kaggle_evaluation" in report["error"]
-    assert not (out / "submission.parquet").exists() and "installed" not in report["printed"]
-
-
-# ------------------------------------------------------------------ make kaggle BACKEND=trtllm
-def trtllm_engine_folder(tmp_path: Path) -> Path:
-    """A build/trtllm/ folder as `make engine BACKEND=trtllm` leaves it (engine.json, engine/, model/)."""
-    sources = {"cot": {"kind": "hf", "path": "a"}, "tir": {"kind": "hf", "path": "b"}}
-    recipe = load_recipe(write_recipe(tmp_path, "kgt", sources, build={"backend": "trtllm"}), check_paths=False)
-    out = tmp_path / "trtllm-engine"
-    (out / "engine").mkdir(parents=True)
-    (out / "engine" / "rank0.engine").write_bytes(b"plan")
-    (out / "engine" / "config.json").write_text("{}")
-    (out / "model").mkdir()
-    (out / "model" / "tokenizer.json").write_text("{}")
-    (out / "engine.json").write_text(json.dumps(engine_config(recipe, "trtllm")))
-    return out
-
-
-def wheel_set(tmp_path: Path, names=("tensorrt_llm-1.2.1-cp312-cp312-linux_x86_64.whl",
-                                     "transformers-4.57.3-py3-none-any.whl")) -> Path:
-    d = tmp_path / "trtllm-wheels"
-    d.mkdir()
-    for n in names:
-        (d / n).write_bytes(b"wheel")
-    return d
-
-
-def test_a_trtllm_engine_without_the_tensorrt_llm_wheels_fails_clearly(tmp_path):
-    from server.kaggle.package import build
-
-    problems = tmp_path / "p.csv"
-    problems.write_text("id,problem,answer\na,one,1\n")
-    eng = trtllm_engine_folder(tmp_path)
-    with pytest.raises(ValueError, match="TRTLLM_WHEELS"):
-        build(eng, tmp_path / "out", problems)
-    with pytest.raises(ValueError, match="no tensorrt_llm-1.2.x"):
-        build(eng, tmp_path / "out", problems, trtllm_wheels=wheel_set(tmp_path, ("torch-2.9.1-cp312-none.whl",)))
-    assert not (tmp_path / "out").exists()
-
-
-def test_trtllm_kaggle_folder_ships_the_wheel_set_and_the_notebook_installs_it_offline(tmp_path):
-    from server.kaggle.package import build
-
-    problems = tmp_path / "p.csv"
-    problems.write_text("id,problem,answer\na,one,1\n")
-    out = tmp_path / "aimo-trt"
-    info = build(trtllm_engine_folder(tmp_path), out, problems, wheels="runtime", trtllm_wheels=wheel_set(tmp_path))
-    assert info["backend"] == "trtllm" and info["mode"] == "project"  # TensorRT-LLM's set brings its own pins
-    assert sorted(p.name for p in (out / "wheels" / "trtllm").iterdir()) == [
-        "tensorrt_llm-1.2.1-cp312-cp312-linux_x86_64.whl", "transformers-4.57.3-py3-none-any.whl"]
-    assert [w.startswith("aimo_trt-") for w in info["wheels"]] == [True]
-    assert json.loads((out / "engine" / "engine.json").read_text())["backend"] == "trtllm"
-    assert (out / "engine" / "engine" / "rank0.engine").is_file()
-    cells = ["".join(c["source"]) for c in json.loads((out / "aimo_trt.ipynb").read_text())["cells"]]
-    install = [i for i, c in enumerate(cells) if "--find-links" in c]
-    predictor = [i for i, c in enumerate(cells) if "Predictor(" in c]
-    assert len(install) == 1 and install[0] < predictor[0]
-    text = cells[install[0]]
-    assert '"--no-index"' in text and '"wheels", "trtllm"' in text and "tensorrt-llm>=1.2,<1.3" in text
-    assert '"--target", SITE' in text and "http" not in text
-
-
-def test_make_kaggle_trtllm_without_wheels_stops_before_any_work():
-    import subprocess
-
-    root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run(["make", "-s", "kaggle", "BACKEND=trtllm", "TRTLLM_WHEELS="], cwd=root,
-                          capture_output=True, text=True)
-    assert proc.returncode == 2 and "set TRTLLM_WHEELS" in proc.stdout + proc.stderr
-
-
-def test_make_kaggle_checks_its_inputs_before_writing_anything(tmp_path, tiny_models):
-    from server.kaggle.package import build
-
-    problems = tmp_path / "p.csv"
-    problems.write_text("id,problem,answer\na,one,1\n")
-    good = engine_folder(tmp_path, tiny_models)
-    broken = tmp_path / "broken"
-    shutil.copytree(good, broken)
-    shutil.rmtree(broken / "model")
-    out = tmp_path / "out"
-    with pytest.raises(EngineFolderError, match="model: missing"):
-        build(broken, out, problems)
-    with pytest.raises(ValueError, match="dataset name 'My Set!'"):
-        build(good, out, problems, dataset_name="My Set!")
-    bad_csv = tmp_path / "bad.csv"
-    bad_csv.write_bytes(b"id,problem\na,caf\xe9\n")
-    with pytest.raises(ValueError, match="bad.csv: line 2: not UTF-8"):
-        build(good, out, bad_csv)
-    assert not out.exists()
 
 
 def test_an_engine_that_dies_and_cannot_be_restarted_fails_loudly(tmp_path):
@@ -413,106 +246,9 @@ def test_an_engine_that_dies_and_cannot_be_restarted_fails_loudly(tmp_path):
             raise RuntimeError("CUDA error: an illegal memory access")
         lives.append(DyingEngine(die=False))
         return lives[-1]
-    p = Predictor(engine_folder(tmp_path), problems=3, engine_factory=factory, log=lambda m: None)
+    p = Predictor(engine_folder(tmp_path), serving=serving_spec(), problems=3, engine_factory=factory, log=lambda m: None)
     assert p.predict(*series("q1", "x"))["answer"][0] == 5
     lives[0].die = True  # found dead before the next problem
     with pytest.raises(EngineStartError, match="illegal memory access"):
         p.predict(*series("q2", "x"))
     p.close()
-
-
-# ------------------------------------------------------------------ execute: its temporary install folder
-def small_notebook(folder: Path, *cells: str) -> Path:
-    """A dataset folder whose aimo_trt.ipynb is just `cells` (what execute() runs; no wheels, no engine)."""
-    import nbformat
-
-    folder.mkdir(parents=True)
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
-    nbformat.write(nb, str(folder / "aimo_trt.ipynb"))
-    return folder
-
-
-def test_execute_removes_the_site_folder_it_made_also_when_the_run_fails(tmp_path, monkeypatch):
-    """`make kaggle` once left a ~480 MB aimo-trt-site-* folder in /tmp on every run."""
-    from server.kaggle.execute import SITE_PREFIX, execute
-
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
-    monkeypatch.setattr("tempfile.tempdir", str(tmp))  # where TemporaryDirectory/mkdtemp put folders
-    fill = "import os; open(os.path.join(os.environ['AIMO_TRT_SITE'], 'wheel.bin'), 'wb').write(b'x' * 1000)"
-    ok = small_notebook(tmp_path / "ok", fill, "print('site', os.environ['AIMO_TRT_SITE'])")
-    bad = small_notebook(tmp_path / "bad", fill, "raise RuntimeError('the engine could not load')")
-    report = execute(ok, tmp_path / "out-ok", timeout=120)
-    assert report["error"] is None and f"site {tmp}{os.sep}{SITE_PREFIX}" in report["printed"]
-    report = execute(bad, tmp_path / "out-bad", timeout=120)
-    assert "the engine could not load" in report["error"]
-    with pytest.raises(FileNotFoundError):
-        execute(tmp_path / "no-notebook", tmp_path / "out-none", timeout=120)
-    assert sorted(p.name for p in tmp.iterdir()) == []
-    kept = tmp_path / "my-site"
-    kept.mkdir()
-    execute(ok, tmp_path / "out-kept", site=kept, timeout=120)
-    assert (kept / "wheel.bin").is_file()  # a folder the caller passed is the caller's
-
-
-# ------------------------------------------------------------------ the wheels' target Python (KAGGLE_PYTHON)
-def fake_wheel(folder: Path, name: str, tag: str) -> None:
-    """A minimal wheel file (metadata only): enough for pip to choose among wheels by their tags."""
-    import zipfile
-
-    info = f"{name}-1.0.dist-info"
-    with zipfile.ZipFile(folder / f"{name}-1.0-{tag}.whl", "w") as z:
-        z.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
-        z.writestr(f"{info}/WHEEL", f"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: {tag}\n")
-        z.writestr(f"{info}/RECORD", "")
-
-
-def test_the_wheels_are_downloaded_for_the_chosen_python(tmp_path):
-    """The command carries the version and its ABI; run offline against a folder of wheels, pip picks the
-    chosen Python's binary wheel (and pure-Python / abi3 ones), not this interpreter's."""
-    import subprocess
-
-    from server.kaggle.package import KAGGLE_PYTHON, download_command
-
-    assert KAGGLE_PYTHON == "3.11"
-    cmd = download_command(["foo==1.0"], tmp_path / "w")
-    assert " --python-version 3.11 --implementation cp --abi cp311 " in " ".join(cmd)
-    assert cmd[cmd.index("-d") + 1] == str(tmp_path / "w") and cmd[-1] == "foo==1.0"
-    index = tmp_path / "index"
-    index.mkdir()
-    for minor in (11, 12):
-        fake_wheel(index, "foo", f"cp3{minor}-cp3{minor}-manylinux_2_17_x86_64")
-    fake_wheel(index, "bar", "py3-none-any")
-    fake_wheel(index, "baz", "cp39-abi3-manylinux_2_28_x86_64")
-    for version in ("3.11", "3.12"):
-        cmd = download_command(["foo==1.0", "bar==1.0", "baz==1.0"], tmp_path / version, version)
-        offline = [*cmd[:4], "--no-index", "--find-links", str(index), *cmd[4:]]
-        subprocess.run(offline, check=True, capture_output=True)
-        tag = "cp" + version.replace(".", "")
-        assert sorted(p.name for p in (tmp_path / version).iterdir()) == [
-            "bar-1.0-py3-none-any.whl", "baz-1.0-cp39-abi3-manylinux_2_28_x86_64.whl",
-            f"foo-1.0-{tag}-{tag}-manylinux_2_17_x86_64.whl"]
-
-
-@pytest.mark.parametrize("bad", ["3.x", "311", "3.11.4", "2.7", "", "3.011", " 3.11"])
-def test_a_malformed_python_version_is_refused_before_anything_is_written(tmp_path, bad):
-    from server.kaggle.package import build, download_command
-
-    problems = tmp_path / "p.csv"
-    problems.write_text("id,problem,answer\na,one,1\n")
-    with pytest.raises(ValueError, match=rf"python version {re.escape(repr(bad))}: use 3.MINOR, e.g. 3.11"):
-        build(engine_folder(tmp_path), tmp_path / "out", problems, python_version=bad)
-    with pytest.raises(ValueError, match="use 3.MINOR"):
-        download_command([], tmp_path, bad)
-    assert not (tmp_path / "out").exists()
-
-
-def test_make_kaggle_passes_kaggle_python_and_refuses_a_malformed_one_before_any_work():
-    import subprocess
-
-    dry = subprocess.run(["make", "-n", "kaggle", "KAGGLE_PYTHON=3.12"], cwd=ROOT, capture_output=True, text=True)
-    assert dry.returncode == 0 and "--python-version 3.12" in dry.stdout
-    assert "--python-version 3.11" in subprocess.run(["make", "-n", "kaggle"], cwd=ROOT, capture_output=True,
-                                                     text=True).stdout
-    proc = subprocess.run(["make", "-s", "kaggle", "KAGGLE_PYTHON=3.x"], cwd=ROOT, capture_output=True, text=True)
-    assert proc.returncode == 2 and "KAGGLE_PYTHON must be 3.MINOR" in proc.stdout + proc.stderr

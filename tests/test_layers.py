@@ -31,7 +31,8 @@ PROGRAM_PLACES = ("server.programs", "server.bench", "trtbuild.programs", "trtbu
 RUNTIME_FLOORS = (  # inside server/: module prefixes per floor, bottom up; anything else is a surface
     ("server.textstream", "server.stream", "server.answers", "server.answer_latex", "server.budget"),
     ("server.embedded.", "server.trtllm.engine", "server.triton.engine", "server.triton.interface", "server.openai.engine",
-     "server.backends"),
+     "server.openai.replicas", "server.openai.routing", "server.openai.probe", "server.openai.remote_completion",
+     "server.openai.connections", "server.backends"),
     ("server.toolerrors", "server.tir", "server.solver", "server.metrics", "server.problems", "server.assembly"),
 )
 

@@ -52,7 +52,7 @@ def run(coro):
 
 
 def test_urls_and_error_bodies():
-    from server.openai.engine import error_message, split_urls
+    from server.openai.replicas import error_message, split_urls
 
     assert split_urls("localhost:8000, http://h:1/v1/,") == ["http://localhost:8000/v1", "http://h:1/v1"]
     with pytest.raises(ValueError, match="URL="):

@@ -205,7 +205,7 @@ def test_an_oversized_body_is_a_413_before_it_is_read_and_health_keeps_answering
         # under the byte limit but longer than any max_input_len prompt can be: refused before tokenizing
         text = "word " * ((limit - 1000) // 5)
         api = srv.api
-        assert len(text) > api.max_input_len * api.max_chars_per_token
+        assert len(text) > api.max_input_len * api.parser.max_chars_per_token
         r = post_raw(srv.base, COMPLETIONS, json.dumps({"prompt": text, "max_tokens": 2}).encode())
         assert_openai_error(r, 400, "prompt", "context_length_exceeded")
 

@@ -109,7 +109,7 @@ def test_engine_folder_serves_tokens(qwen_build):
     engine = qwen_build.out_dir / "build" / "embedded"
     cfg = json.loads((engine / "engine.json").read_text())
     assert cfg["backend"] == "embedded" and cfg["quantization"] == "int8_wo"
-    assert cfg["limits"]["max_batch_size"] == 4 and cfg["serving"]["code_tags"]["code_start"] == "```python\n"
+    assert cfg["limits"]["max_batch_size"] == 4 and "serving" not in cfg  # the recipe's, not the build's
     model = load_model(engine / cfg["model_dir"])
     tok = load_tokenizer(engine / cfg["model_dir"])
     ids = torch.tensor([tok("What is 2+3?")["input_ids"]])
@@ -125,6 +125,34 @@ def test_second_run_does_no_work(qwen_build, capfd):
     assert _finished(qwen_build.out_dir) == before
     for stage in ("sources", "merge", "quantize", "build"):
         assert f"[{stage}] " in err and "up to date" in err
+
+
+def test_serving_edits_rebuild_nothing(qwen_build, capfd):
+    """Sampling, votes, budget, device and the engine's modes are the runtime's: editing them in the
+    recipe leaves every fingerprint as it was, and `make engine` finds every stage up to date."""
+    import yaml
+
+    from trtbuild import stages
+
+    data = yaml.safe_load(qwen_build.path.read_text())
+    recipe = load_recipe(qwen_build.path)
+    data["serving"] = {"sampling": {"temperature": 0.2, "top_p": 0.8}, "device": "cpu", "deterministic": True,
+                       "solver": {"vote": "entropy", "samples": 6, "early_stop_first": 4, "early_stop_agree": 3,
+                                  "enough_finished": 5},
+                       "budget": {"policy": "aimo3", "low_seconds": 100, "high_seconds": 400}}
+    path = qwen_build.path.with_name("tinyqwen-serving.yaml")  # same name, so the same engines/tinyqwen/
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    edited = load_recipe(path)
+    assert edited.out_dir == recipe.out_dir and edited.serving != recipe.serving
+    for name, args in (("sources", ()), ("merge", ()), ("quantize", ()), ("build", ("embedded",)),
+                       ("build", ("trtllm",))):
+        assert stages.fingerprint(edited, name, *args) == stages.fingerprint(recipe, name, *args), name
+    before = _finished(qwen_build.out_dir)
+    capfd.readouterr()
+    assert main(["engine", "--recipe", str(path), "--backend", "embedded"]) == 0
+    err = capfd.readouterr().err
+    assert _finished(qwen_build.out_dir) == before
+    assert "[build] up to date" in err and "building" not in err
 
 
 def test_trtllm_backend_missing_is_a_clear_error(qwen_build, capfd):

@@ -316,4 +316,4 @@ def test_cancel_and_deadline_with_the_drafter(hf):
         spec.shutdown()
     assert timed_out.finish_reason == "timeout" and len(timed_out.token_ids) < 200
     assert cancelled.finish_reason == "cancelled" and len(cancelled.token_ids) < 200
-    assert again.finish_reason in ("stop", "length") and not spec._active
+    assert again.finish_reason in ("stop", "length") and not spec.scheduler.running

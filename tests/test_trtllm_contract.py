@@ -1,16 +1,16 @@
-"""Contract tests of the TensorRT-LLM 1.2.x path (no GPU and no TensorRT-LLM here; NOT a GPU run).
+"""Contract tests of the TensorRT-LLM 1.2.x build path (no GPU and no TensorRT-LLM here; NOT a GPU run).
 
 The build is run against a test double of the `tensorrt_llm` module (tests/trtllm_double.py) and a
-runner that checks every command against the real tools' flags: these tests pin the exact commands,
-flags, files and calls the toolkit produces for W8A16, FP8, W8A16 + ReDrafter and tp=2 recipes, the
-preflight errors, resume, and the runtime's handling of streamed responses, final responses, errors,
-deadlines and cancellation. What they cannot show (that TensorRT-LLM accepts them and the engine
-is right) is what `make gpu-smoke` checks on a GPU host.
+runner that checks every command against the real tools' flags (tests/trtllm_command_double.py):
+these tests pin the exact commands, flags, files and calls the toolkit produces for W8A16, FP8,
+W8A16 + ReDrafter and tp=2 recipes, the preflight errors, resume, the GPU smoke run's plan and what
+upstream source says about quantized drafters. The runtime over the executor is
+tests/test_trtllm_runtime_contract.py. What they cannot show (that TensorRT-LLM accepts them and the
+engine is right) is what `make gpu-smoke` checks on a GPU host.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import shutil
 from pathlib import Path
@@ -18,71 +18,19 @@ from pathlib import Path
 import pytest
 
 import trtllm_double as dbl
+from trtllm_command_double import FakeRunner, drafter_modules
 from upstream import snapshot
-from aimo_spec.protocol import Delta, Final, Request, SamplingParams, collect
-from small_recipes import write_recipe
 from trtbuild import build as build_stage
 from trtbuild import manifest as mf
-from aimo_spec.recipe import RecipeError, load_recipe
-from trtbuild.trtllm.env import Gpu, TrtllmEnv, parse_nvidia_smi
-
-PY = "/opt/trtllm/bin/python"
-H100 = Gpu(0, "NVIDIA H100 80GB HBM3", (9, 0), 81559)
-A100 = Gpu(0, "NVIDIA A100-SXM4-80GB", (8, 0), 81920)
-
-
-@pytest.fixture
-def examples(tmp_path) -> Path:
-    ex = tmp_path / "examples"
-    for f in ("quantization/quantize.py", "redrafter/convert_checkpoint.py"):
-        (ex / f).parent.mkdir(parents=True, exist_ok=True)
-        (ex / f).write_text("# stands for TensorRT-LLM's script\n")
-    return ex
-
-
-def gpu_env(examples: Path | None, gpus=(H100,)) -> TrtllmEnv:
-    return TrtllmEnv(python=PY, packages={"tensorrt-llm": "1.2.1"}, examples=examples, gpus=list(gpus))
-
-
-@pytest.fixture
-def project(tiny_models, tmp_path, monkeypatch):
-    """A recipe whose earlier stages look finished: merged model and quantize outputs in place."""
-    dbl.install(monkeypatch)
-
-    def make(**sections):
-        path = write_recipe(tmp_path, "trt", {"cot": {"kind": "hf", "path": str(tiny_models["qwen-cot"])},
-                                              "tir": {"kind": "hf", "path": str(tiny_models["qwen-tir"])}}, **sections)
-        recipe = load_recipe(path)
-        out = recipe.out_dir
-        if not (out / "merge" / "model").is_dir():
-            shutil.copytree(tiny_models["qwen-tir"], out / "merge" / "model")
-            for fmt in ("int8_wo", "fp8"):
-                shutil.copytree(tiny_models["qwen-tir"], out / "quantize" / fmt / "hf")
-            (out / "quantize" / "fp8" / "trtllm").mkdir(parents=True)
-            (out / "quantize" / "fp8" / "trtllm" / "config.json").write_text('{"quantization": {"quant_algo": "FP8"}}')
-            mf.write_manifest(out / "quantize" / "fp8", "quantize/fp8", "fp-export", 0.0)
-        return recipe
-    return make
-
-
-def drafter_folder(tmp_path: Path, trained: int = 3) -> Path:
-    d = tmp_path / "drafter"
-    d.mkdir(exist_ok=True)
-    (d / "config.json").write_text(json.dumps({"hidden_size": 64, "exit_dim": 128, "num_draft_layers": 2, "rnn": True,
-                                               "vocab_size": 400, "trained_draft_len": trained}))
-    (d / "model.safetensors").write_bytes(b"weights")
-    return d
-
-
-def flags(cmd: list[str], start: int) -> dict[str, str | None]:
-    tool = Path(cmd[start - 1]).name
-    return dbl.parse_flags(tool, cmd[start:])
+from aimo_spec.recipe import RecipeError
+from trtbuild.trtllm.env import parse_nvidia_smi
+from trtllm_contract_kit import A100, H100, PY, drafter_folder, examples, flags, gpu_env, project  # noqa: F401
 
 
 # ------------------------------------------------------------------ build: commands and calls
 def test_w8a16_converts_in_process_and_builds_with_the_aimo2_flags(project, examples):
     recipe = project()
-    runner = dbl.FakeRunner()
+    runner = FakeRunner()
     out = build_stage.run(recipe, "trtllm", trtllm_env=gpu_env(examples), runner=runner)
     assert [name for name, _, _ in runner.commands] == ["checkpoint", "engine"]
     _, ckpt, env = runner.commands[0]
@@ -117,7 +65,7 @@ def test_w8a16_converts_in_process_and_builds_with_the_aimo2_flags(project, exam
 
 def test_fp8_calibrates_with_quantize_py_on_the_recipes_tir_traces(project, examples):
     recipe = project(build={"quantization": "fp8"}, trtllm={"calib_size": 6})
-    runner = dbl.FakeRunner()
+    runner = FakeRunner()
     build_stage.run(recipe, "trtllm", trtllm_env=gpu_env(examples), runner=runner)
     _, q, _ = runner.commands[0]
     assert q[:2] == [PY, str(examples / "quantization" / "quantize.py")]
@@ -137,7 +85,7 @@ def test_fp8_calibrates_with_quantize_py_on_the_recipes_tir_traces(project, exam
 
 def test_fp8_kv_cache_adds_the_flag_and_int8_weights_use_quantize_py_too(project, examples):
     recipe = project(quantize={"kv_cache_dtype": "fp8"})
-    runner = dbl.FakeRunner()
+    runner = FakeRunner()
     build_stage.run(recipe, "trtllm", trtllm_env=gpu_env(examples), runner=runner)
     f = flags(runner.commands[0][1], 2)
     assert f["--qformat"] == "int8_wo" and f["--kv_cache_dtype"] == "fp8"
@@ -145,7 +93,7 @@ def test_fp8_kv_cache_adds_the_flag_and_int8_weights_use_quantize_py_too(project
 
 def test_fp8_from_the_modelopt_export_skips_calibration(project, examples):
     recipe = project(build={"quantization": "fp8"}, trtllm={"fp8_checkpoint": "modelopt_export"})
-    runner = dbl.FakeRunner()
+    runner = FakeRunner()
     build_stage.run(recipe, "trtllm", trtllm_env=gpu_env(None), runner=runner)  # needs no examples/
     assert [n for n, _, _ in runner.commands] == ["engine"]
     assert flags(runner.commands[0][1], 1)["--checkpoint_dir"] == str(recipe.out_dir / "quantize" / "fp8" / "trtllm")
@@ -154,7 +102,7 @@ def test_fp8_from_the_modelopt_export_skips_calibration(project, examples):
 def test_w8a16_with_redrafter_attaches_the_drafter_then_builds_explicit_draft_tokens(project, examples, tmp_path):
     d = drafter_folder(tmp_path)
     recipe = project(drafter={"kind": "redrafter", "path": str(d), "num_beams": 1, "draft_len_per_beam": 3})
-    runner = dbl.FakeRunner()
+    runner = FakeRunner()
     out = build_stage.run(recipe, "trtllm", trtllm_env=gpu_env(examples), runner=runner)
     assert [n for n, _, _ in runner.commands] == ["checkpoint", "redrafter", "engine"]
     _, rd, _ = runner.commands[1]
@@ -171,14 +119,14 @@ def test_w8a16_with_redrafter_attaches_the_drafter_then_builds_explicit_draft_to
 
 def test_sampled_drafting_passes_no_greedy_search(project, examples, tmp_path):
     recipe = project(drafter={"kind": "redrafter", "path": str(drafter_folder(tmp_path)), "greedy": False})
-    runner = dbl.FakeRunner()
+    runner = FakeRunner()
     build_stage.run(recipe, "trtllm", trtllm_env=gpu_env(examples), runner=runner)
     assert "--redrafter_no_greedy_search" in runner.commands[1][1]
 
 
 def test_tp2_converts_each_rank_and_builds_with_two_workers(project, examples):
     recipe = project(build={"tp_size": 2})
-    runner = dbl.FakeRunner()
+    runner = FakeRunner()
     out = build_stage.run(recipe, "trtllm", trtllm_env=gpu_env(examples, (H100, H100)), runner=runner)
     convert = [c for c in dbl.CALLS if c[0].endswith("from_hugging_face")]
     assert [(c["mapping"].rank, c["mapping"].tp_size, c["mapping"].world_size) for _, c in convert] == [(0, 2, 2), (1, 2, 2)]
@@ -205,7 +153,7 @@ def test_tp2_converts_each_rank_and_builds_with_two_workers(project, examples):
 def test_bad_recipes_fail_before_any_gpu_work(project, examples, tmp_path, sections, gpus, key, words):
     if sections.get("drafter", {}).get("path") is None and "drafter" in sections:
         sections["drafter"]["path"] = str(drafter_folder(tmp_path))
-    runner = dbl.FakeRunner()
+    runner = FakeRunner()
     with pytest.raises(RecipeError) as err:
         recipe = project(**sections)
         build_stage.run(recipe, "trtllm", trtllm_env=gpu_env(examples, gpus), runner=runner)
@@ -217,20 +165,20 @@ def test_bad_recipes_fail_before_any_gpu_work(project, examples, tmp_path, secti
 def test_fp8_without_the_examples_folder_names_the_setting(project):
     recipe = project(build={"quantization": "fp8"})
     with pytest.raises(RecipeError, match="TRTLLM_EXAMPLES"):
-        build_stage.run(recipe, "trtllm", trtllm_env=gpu_env(None), runner=dbl.FakeRunner())
+        build_stage.run(recipe, "trtllm", trtllm_env=gpu_env(None), runner=FakeRunner())
 
 
 def test_a_failed_engine_build_keeps_the_checkpoint_and_resumes(project, examples):
     recipe = project()
     env = gpu_env(examples)
     with pytest.raises(RuntimeError, match="trtllm engine step failed"):
-        build_stage.run(recipe, "trtllm", trtllm_env=env, runner=dbl.FakeRunner(fail_step="engine"))
+        build_stage.run(recipe, "trtllm", trtllm_env=env, runner=FakeRunner(fail_step="engine"))
     assert mf.read_manifest(recipe.out_dir / "trtllm" / "checkpoint")["status"] == "done"
     assert not (recipe.out_dir / "build" / "trtllm").exists()
-    runner = dbl.FakeRunner()
+    runner = FakeRunner()
     build_stage.run(recipe, "trtllm", trtllm_env=env, runner=runner)
     assert [n for n, _, _ in runner.commands] == ["engine"]
-    again = dbl.FakeRunner()
+    again = FakeRunner()
     build_stage.run(recipe, "trtllm", trtllm_env=env, runner=again)
     assert again.commands == []  # nothing changed: no work
 
@@ -258,192 +206,6 @@ def test_mpirun_launch_for_tensor_parallel():
         "mpirun", "-n", "2", "--allow-run-as-root", "--oversubscribe", "python", "x"]
 
 
-# ------------------------------------------------------------------ the runtime over the executor
-@pytest.fixture
-def engine_dir(project, examples):
-    return build_stage.run(project(), "trtllm", trtllm_env=gpu_env(examples), runner=dbl.FakeRunner())
-
-
-def open_engine(engine_dir, script, step=0.002):
-    from server.trtllm.engine import TrtllmEngine
-
-    dbl.Executor.script = staticmethod(script)
-    dbl.Executor.step_seconds = step
-    return TrtllmEngine.from_dir(engine_dir)
-
-
-def run(coro):
-    return asyncio.run(coro)
-
-
-def test_executor_is_configured_for_inflight_batching_and_kv_reuse(engine_dir):
-    eng = open_engine(engine_dir, lambda p: [])
-    try:
-        (_, call), = [c for c in dbl.CALLS if c[0] == "Executor"]
-        assert Path(call["model_path"]) == engine_dir / "engine" and call["model_type"] == dbl.ModelType.DECODER_ONLY
-        cfg = call["executor_config"]
-        assert cfg.max_beam_width == 1 and cfg.batching_type == dbl.BatchingType.INFLIGHT
-        assert cfg.max_batch_size == 4 and cfg.max_num_tokens == 1024 and cfg.enable_chunked_context is True
-        assert cfg.kv_cache_config.enable_block_reuse is True and cfg.kv_cache_config.free_gpu_memory_fraction == 0.9
-        assert cfg.decoding_config is None and eng.tokens_per_block == 4
-    finally:
-        eng.shutdown()
-    assert dbl.Executor.instances[-1].shutdown_called
-
-
-def test_redrafter_engines_decode_with_explicit_draft_tokens(project, examples, tmp_path):
-    recipe = project(drafter={"kind": "redrafter", "path": str(drafter_folder(tmp_path))})
-    out = build_stage.run(recipe, "trtllm", trtllm_env=gpu_env(examples), runner=dbl.FakeRunner())
-    eng = open_engine(out, lambda p: [])
-    try:
-        cfg = dbl.Executor.instances[-1].config
-        assert cfg.decoding_config.decoding_mode.isExplicitDraftTokens()
-    finally:
-        eng.shutdown()
-
-
-def test_streams_tokens_then_one_final_and_sends_the_right_request(engine_dir):
-    eng = open_engine(engine_dir, None or (lambda p: []))
-    reply = eng.tokenize("The answer is 42.") + [eng.eos_id]
-    dbl.Executor.script = staticmethod(lambda p: reply)
-    try:
-        prompt = eng.tokenize(eng.chat_prompt("What is 6 times 7?"))
-        deltas, final = run(collect(eng, Request(prompt, SamplingParams(temperature=0, max_tokens=50, seed=7))))
-        assert final.finish_reason == "stop" and final.text == "The answer is 42."
-        assert list(final.token_ids) == reply and len(deltas) >= len(reply) - 1
-        assert "".join(d.text for d in deltas) == final.text and final.prompt_tokens == len(prompt)
-        req = dbl.Executor.instances[-1].requests[1]
-        assert req.streaming and req.input_token_ids == prompt and req.max_tokens == 50
-        assert req.end_id == eng.eos_id and req.output_config.exclude_input_from_output
-        assert req.sampling_config.top_k == 1 and req.sampling_config.seed == 7  # temperature 0: greedy
-        run(collect(eng, Request(prompt, SamplingParams(temperature=0.7, top_p=0.95, seed=3, max_tokens=5))))
-        sc = dbl.Executor.instances[-1].requests[2].sampling_config
-        assert (sc.temperature, sc.top_p, sc.top_k, sc.seed) == (0.7, 0.95, None, 3)
-    finally:
-        eng.shutdown()
-
-
-def test_stop_string_across_tokens_cancels_the_request(engine_dir):
-    eng = open_engine(engine_dir, lambda p: [])
-    text = "x = 6 * 7\nprint(x)\n```\nrest that must not appear"
-    dbl.Executor.script = staticmethod(lambda p: eng.tokenize(text))
-    try:
-        _, final = run(collect(eng, Request(eng.tokenize("hi"), SamplingParams(temperature=0, max_tokens=200,
-                                                                              stop=("```\n",)))))
-        assert final.finish_reason == "stop" and final.stop_string == "```\n"
-        assert final.text == "x = 6 * 7\nprint(x)\n```\n"
-        assert (final.text + final.overhang) == eng.detokenize(final.token_ids)
-        assert 1 in dbl.Executor.instances[-1].cancelled
-    finally:
-        eng.shutdown()
-
-
-def test_length_error_cancel_deadline_and_too_long_prompts(engine_dir):
-    eng = open_engine(engine_dir, lambda p: [], step=0.01)
-    long = eng.tokenize("one two three four five six seven eight nine ten " * 4)
-    try:
-        dbl.Executor.script = staticmethod(lambda p: long)
-        _, final = run(collect(eng, Request([5, 6], SamplingParams(temperature=0, max_tokens=4))))
-        assert final.finish_reason == "length" and len(final.token_ids) == 4
-
-        dbl.Executor.script = staticmethod(lambda p: long[:3] + [-1])
-        _, final = run(collect(eng, Request([5, 6], SamplingParams(temperature=0, max_tokens=50))))
-        assert final.finish_reason == "error" and "scripted executor error" in final.error
-
-        dbl.Executor.script = staticmethod(lambda p: long)
-
-        async def cancel_midway():
-            req = Request([5, 6], SamplingParams(temperature=0, max_tokens=100))
-            got = []
-            async for ev in eng.generate(req):
-                got.append(ev)
-                if isinstance(ev, Delta) and len(got) == 3:
-                    eng.cancel(req.request_id)
-            return got
-        got = run(cancel_midway())
-        assert isinstance(got[-1], Final) and got[-1].finish_reason == "cancelled"
-        assert sum(isinstance(e, Final) for e in got) == 1 and len(got[-1].token_ids) < len(long)
-
-        import time as _t
-        _, final = run(collect(eng, Request([5, 6], SamplingParams(temperature=0, max_tokens=100),
-                                            deadline=_t.monotonic() + 0.08)))
-        assert final.finish_reason == "timeout" and 0 < len(final.token_ids) < len(long)
-
-        _, final = run(collect(eng, Request(list(range(300)), SamplingParams(max_tokens=5))))
-        assert final.finish_reason == "error" and "max_input_len" in final.error
-    finally:
-        eng.shutdown()
-    ex = dbl.Executor.instances[-1]
-    assert len(ex.cancelled) >= 2 and len(ex.requests) == 4  # the too-long prompt was never enqueued
-
-
-def test_concurrent_requests_batch_and_reuse_the_kv_prefix(engine_dir):
-    eng = open_engine(engine_dir, lambda p: [], step=0.005)
-    dbl.Executor.script = staticmethod(lambda p: [p[-1]] * 6)
-    try:
-        async def many():
-            reqs = [Request(list(range(10, 30)) + [40 + i], SamplingParams(temperature=0, max_tokens=6)) for i in range(4)]
-            return await asyncio.gather(*(collect(eng, r) for r in reqs))
-        results = run(many())
-        assert [f.finish_reason for _, f in results] == ["length"] * 4
-        assert [f.token_ids[0] for _, f in results] == [40, 41, 42, 43]
-        _, again = run(collect(eng, Request(list(range(10, 30)) + [40] + [40] * 6 + [99], SamplingParams(max_tokens=2))))
-        assert again.cached_tokens >= 24  # whole KV blocks of the earlier turn (blocks of 4 tokens)
-    finally:
-        eng.shutdown()
-
-
-def test_a_dead_executor_fails_every_request_in_flight(engine_dir):
-    eng = open_engine(engine_dir, lambda p: [7] * 1000, step=0.01)
-    try:
-        async def go():
-            task = asyncio.ensure_future(collect(eng, Request([5, 6], SamplingParams(max_tokens=900))))
-            await asyncio.sleep(0.05)
-            dbl.Executor.instances[-1].die("CUDA error: an illegal memory access")
-            return await asyncio.wait_for(task, 10)
-        _, final = run(go())
-        assert final.finish_reason == "error" and "illegal memory access" in final.error
-    finally:
-        eng.shutdown()
-
-
-def test_worker_ranks_wait_for_the_leader_and_exit(engine_dir):
-    from server.trtllm.engine import TrtllmEngine
-
-    dbl.Executor.leader = False
-    with pytest.raises(SystemExit):
-        TrtllmEngine.from_dir(engine_dir)
-    assert dbl.Executor.instances[-1].shutdown_called
-
-
-def test_solve_runs_tir_through_the_trtllm_backend(engine_dir, project, tmp_path, capsys):
-    """`server.programs.solve --backend trtllm` end to end: TIR code run in the real sandbox, answers voted."""
-    from server.programs.solve import main as solve_main
-    from server.trtllm.engine import TrtllmEngine
-
-    recipe = project()
-    eng = open_engine(engine_dir, lambda p: [])
-    tok = eng.tokenizer
-    eng.shutdown()
-
-    def script(prompt):
-        if "```output" in tok.decode(prompt):
-            return tok("The answer is \\boxed{42}.", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-        return tok("```python\nprint(6 * 7)\n```\nignored", add_special_tokens=False)["input_ids"]
-    dbl.Executor.script = staticmethod(script)
-    problems = tmp_path / "p.csv"
-    problems.write_text("id,problem,answer\nsix,What is 6 times 7?,42\n")
-    out = tmp_path / "run"
-    assert TrtllmEngine  # the backend solve opens
-    rc = solve_main(["--recipe", str(recipe.path), "--problems", str(problems), "--backend", "trtllm",
-                     "--samples", "3", "--out", str(out)])
-    assert rc == 0, capsys.readouterr().err
-    summary = json.loads((out / "results.json").read_text())
-    assert summary["correct"] == 1 and summary["results"][0]["answer"] == 42
-    traces = [json.loads(line) for line in (out / "traces.jsonl").read_text().splitlines()]
-    assert traces and all(t["code_calls"] and t["code_calls"][0]["status"] == "ok" for t in traces)
-
-
 def test_gpu_smoke_builds_bf16_and_fp8_and_checks_streaming_and_cancel(examples, tmp_path, monkeypatch):
     """The smoke run's plan and checks, against the double (its token checks need the real GPU)."""
     from trtbuild.programs import gpu_smoke as smoke
@@ -451,7 +213,7 @@ def test_gpu_smoke_builds_bf16_and_fp8_and_checks_streaming_and_cancel(examples,
     dbl.install(monkeypatch)
     dbl.Executor.script = staticmethod(lambda p: [7] * 500)
     dbl.Executor.step_seconds = 0.001
-    runner = dbl.FakeRunner()
+    runner = FakeRunner()
     report = smoke.run(tmp_path / "smoke", env=gpu_env(examples), runner=runner, compare_hf=False)
     assert [n for n, _, _ in runner.commands] == ["checkpoint", "engine", "checkpoint", "engine"]
     assert runner.commands[0][1][-1] == "none"  # bf16: convert without quantization
@@ -485,22 +247,13 @@ def test_probe_reads_the_trtllm_environment_without_importing_it(tmp_path, monke
     assert not env.usable and words in env.summary() and "nvidia-smi" in env.summary()
 
 
-def test_sampled_token_logprob_estimates_the_entropy():
-    """TensorRT-LLM returns only the sampled token's logprob: its surprisal stands in for the entropy."""
-    from server.tir import topk_entropy
-
-    assert topk_entropy(((5, -0.25),)) == 0.25
-    assert topk_entropy(((5, 0.0),)) == 0.0
-    assert abs(topk_entropy(((1, -0.6931471805599453), (2, -0.6931471805599453))) - 0.6931471805599453) < 1e-12
-
-
 def test_the_trained_drafter_is_attached_by_default(project, examples, tmp_path):
     """drafter.kind redrafter without a path: the drafter stage's output (engines/<m>/drafter/model)."""
     recipe = project(drafter={"kind": "redrafter"})
     trained = recipe.out_dir / "drafter" / "model"
     trained.parent.mkdir(parents=True, exist_ok=True)
     shutil.copytree(drafter_folder(tmp_path), trained)
-    runner = dbl.FakeRunner()
+    runner = FakeRunner()
     build_stage.run(recipe, "trtllm", trtllm_env=gpu_env(examples), runner=runner)
     assert flags(runner.commands[1][1], 2)["--drafter_model_dir"] == str(trained)
 
@@ -509,17 +262,17 @@ def test_the_trained_drafter_is_attached_by_default(project, examples, tmp_path)
 def test_int8_wo_with_redrafter_keeps_the_drafter_out_of_quantization(project, examples, tmp_path):
     """W8A16 + ReDrafter (engines/mix.yaml): QuantConfig must carry a list, or the converter leaves the
     drafter quantized and trtllm-build stops (snapshot: redrafter, quantization)."""
-    from trtbuild.trtllm.convert import DEFAULT_EXCLUDE_MODULES
+    from trtbuild.programs.trtllm_convert import DEFAULT_EXCLUDE_MODULES
 
     up = snapshot()["quantization"]
     assert list(DEFAULT_EXCLUDE_MODULES) == up["default_exclude_modules"]
     recipe = project(drafter={"kind": "redrafter", "path": str(drafter_folder(tmp_path))})
-    runner = dbl.FakeRunner()
+    runner = FakeRunner()
     build_stage.run(recipe, "trtllm", trtllm_env=gpu_env(examples), runner=runner)
     (_, call), = [c for c in dbl.CALLS if c[0].endswith("from_hugging_face")]
     assert set(up["default_exclude_modules"]) <= set(call["quant_config"].exclude_modules)
     attached = json.loads((recipe.out_dir / "trtllm" / "redrafter" / "config.json").read_text())
-    assert set(dbl.drafter_modules(2, True)) <= set(attached["quantization"]["exclude_modules"])
+    assert set(drafter_modules(2, True)) <= set(attached["quantization"]["exclude_modules"])
     assert [n for n, _, _ in runner.commands] == ["checkpoint", "redrafter", "engine"]
 
 
@@ -532,7 +285,7 @@ def test_int8_wo_with_fp8_kv_through_quantize_py_also_excludes_the_drafter(proje
     assert up["quantization"]["quantize_py_int8_wo"]["checkpoint_quant_algo"] == "W8A16"
     recipe = project(quantize={"kv_cache_dtype": "fp8"},
                      drafter={"kind": "redrafter", "path": str(drafter_folder(tmp_path))})
-    runner = dbl.FakeRunner()
+    runner = FakeRunner()
     build_stage.run(recipe, "trtllm", trtllm_env=gpu_env(examples), runner=runner)
     assert flags(runner.commands[0][1], 2)["--qformat"] == "int8_wo"
     ckpt = json.loads((recipe.out_dir / "trtllm" / "checkpoint" / "config.json").read_text())
@@ -543,26 +296,7 @@ def test_int8_wo_with_fp8_kv_through_quantize_py_also_excludes_the_drafter(proje
 def test_a_modelopt_export_without_an_exclusion_list_is_refused_before_redrafter(project, examples, tmp_path):
     recipe = project(build={"quantization": "fp8"}, trtllm={"fp8_checkpoint": "modelopt_export"},
                      drafter={"kind": "redrafter", "path": str(drafter_folder(tmp_path))})
-    runner = dbl.FakeRunner()
+    runner = FakeRunner()
     with pytest.raises(RuntimeError, match="exclude_modules is null"):
         build_stage.run(recipe, "trtllm", trtllm_env=gpu_env(examples), runner=runner)
     assert runner.commands == []
-
-
-def test_streamed_log_probs_are_cumulative_and_the_engine_keeps_only_each_deltas(engine_dir):
-    """llmRequest.cpp: a streamed Result's output_token_ids are the new tokens, its log_probs cover every
-    token so far; ReDrafter responses carry several tokens. Each Delta must pair its own tokens with
-    their own logprobs."""
-    st = snapshot()["executor"]["streaming"]
-    assert st["output_token_ids_per_delta"] and st["log_probs_cumulative"]
-    eng = open_engine(engine_dir, lambda p: list(range(30, 41)))
-    dbl.Executor.tokens_per_step = 3
-    try:
-        deltas, final = run(collect(eng, Request([5, 6], SamplingParams(temperature=0, max_tokens=11,
-                                                                         top_logprobs=1))))
-        got = [(tok, lp) for d in deltas for ((tok, lp),) in (d.logprobs or ())]
-        assert list(final.token_ids) == list(range(30, 41))
-        assert got == [(30 + i, dbl.logprob_of(i)) for i in range(11)]
-        assert max(len(d.token_ids) for d in deltas) == 3  # several tokens per response
-    finally:
-        eng.shutdown()

@@ -5,7 +5,9 @@
   machine, CPU included.
 - trtllm: checkpoint -> (ReDrafter) -> `trtllm-build` in TensorRT-LLM 1.2.x's environment
   (`trtbuild/trtllm/build.py`), after preflight checks that need no GPU work.
-Outputs go to `build/<backend>/`, so both can coexist.
+Outputs go to `build/<backend>/`, so both can coexist. `engine.json` holds what the build decided
+(format, limits, files, drafter shape); the serving settings stay in the recipe, so editing them
+rebuilds nothing.
 """
 
 from __future__ import annotations
@@ -21,25 +23,35 @@ from trtbuild import stages
 from aimo_spec.layout import ENGINE_FILE
 from aimo_spec.recipe import Recipe
 
-VERSION = 2  # bump when the output of this stage changes for the same inputs (2: embedded folders carry drafter/)
+# bump VERSION when the output of this stage changes for the same inputs (2: embedded folders carry drafter/;
+# 3: engine.json no longer copies the recipe's serving section)
+VERSION = 3
 STAGE = "build"
+# The serving fields the build reads: TensorRT-LLM's calibration set is rendered in the serving chat format.
+# Everything else in `serving` is the runtime's (server.embedded.settings.serving_settings): editing it
+# rebuilds nothing.
+TRTLLM_SERVING_FIELDS = ("code_tags", "system_prompt")
 
 
 def fingerprint(recipe: Recipe, backend: str) -> str:
+    """What the build reads, and only that: the weights it packs, the build and drafter sections, the
+    drafter's weights, and for trtllm its own section and the serving fields of its calibration set."""
     from trtbuild.trtllm.preflight import drafter_dir
 
     upstream = stages.weights_fingerprint(recipe)
     drafter = drafter_dir(recipe)
     weights = drafter / "model.safetensors" if drafter else None
     drafter_stat = (weights.stat().st_size, weights.stat().st_mtime_ns) if weights and weights.is_file() else None
-    return mf.fingerprint({"backend": backend, "build": recipe.section("build"), "serving": recipe.section("serving"),
-                           "drafter": recipe.section("drafter"), "drafter_weights": drafter_stat, "upstream": upstream,
-                           **({"trtllm": recipe.section("trtllm")} if backend == "trtllm" else {}),
-                           "version": VERSION})
+    serving = recipe.section("serving")
+    trtllm = {"trtllm": recipe.section("trtllm"), "serving": {k: serving[k] for k in TRTLLM_SERVING_FIELDS}}
+    return mf.fingerprint({"backend": backend, "build": recipe.section("build"), "drafter": recipe.section("drafter"),
+                           "drafter_weights": drafter_stat, "upstream": upstream,
+                           **(trtllm if backend == "trtllm" else {}), "version": VERSION})
 
 
 def engine_config(recipe: Recipe, backend: str, drafter_folder: str | None = None) -> dict[str, Any]:
-    """What a runtime needs to serve the folder, without reading the recipe again."""
+    """What the build decided and a runtime needs to load the folder (format, limits, files, drafter
+    shape). The serving settings are not here: the runtime takes them from the recipe."""
     b = recipe.build
     return {
         **({"drafter_dir": drafter_folder} if drafter_folder else {}),
@@ -51,7 +63,6 @@ def engine_config(recipe: Recipe, backend: str, drafter_folder: str | None = Non
         "limits": {k: getattr(b, k) for k in ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens",
                                                "tp_size")},
         "drafter": recipe.section("drafter") if recipe.drafter.kind != "none" else None,
-        "serving": recipe.section("serving"),
         **({"engine_dir": "engine", "trtllm": recipe.section("trtllm")} if backend == "trtllm" else {}),
     }
 

@@ -9,7 +9,7 @@
 | build    | `trtbuild.build`        | `build/<backend>/`          |
 
 Each stage module has `run(recipe, ...)`, `fingerprint(recipe, ...)` and a `VERSION`. A stage is
-stale when, and only when, its fingerprint changed: its recipe section, the fingerprints of the
+stale when, and only when, its fingerprint changed: the recipe fields it reads, the fingerprints of the
 stages it reads, its inputs on disk, or its `VERSION` (bumped when a code change alters what the
 stage writes, so a refactor does not retrain). Make does not decide: every stage target calls the
 stage, which skips itself when current. A code change that did not bump `VERSION` is never silent:

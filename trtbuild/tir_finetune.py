@@ -19,6 +19,7 @@ import torch
 
 from aimo_spec.chat import encode, load_tokenizer, render_prompt
 from server.embedded.loader import load_model, use_all_cores
+from server.embedded.settings import resolve_device
 from trtbuild.manifest import log
 from aimo_spec.recipe import CodeTags, TIRFinetuneSource
 from trtbuild.tir_data import Trace, make_traces
@@ -71,8 +72,8 @@ def finetune(spec: TIRFinetuneSource, base_dir: Path, out_dir: Path, tags: CodeT
     held = _examples(tok, heldout, spec.max_length, system_prompt)
     log("sources", f"tir: {len(train)} traces ({sum(len(i) for i, _ in train)} tokens) in {time.time() - t0:.1f}s")
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = load_model(base_dir, dtype=torch.bfloat16 if device == "cuda" else torch.float32).to(device)
+    device = resolve_device("auto")
+    model = load_model(base_dir, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32).to(device)
     model = get_peft_model(
         model,
         LoraConfig(r=spec.lora_rank, lora_alpha=spec.lora_alpha, lora_dropout=0.0, target_modules=TARGET_MODULES),
@@ -120,7 +121,7 @@ def finetune(spec: TIRFinetuneSource, base_dir: Path, out_dir: Path, tags: CodeT
     return {
         "train_traces": len(train),
         "train_seconds": round(time.time() - t_train, 1),
-        "train_device": device,
+        "train_device": str(device),
         "loss_curve": curve,
         "heldout_loss_before": round(before, 4),
         "heldout_loss_after": round(after, 4),

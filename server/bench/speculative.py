@@ -91,20 +91,18 @@ def tir_throughput(engine: Any, sandbox: Any, serving: Any, prompts: list[list[i
     return timed_batch(go, lambda t: (t.finish, t.error, t.tokens), "sample")
 
 
-def open_engine(engine_dir: Path, speculative: bool, device: Optional[str], threads: Optional[int] = None) -> Any:
+def open_engine(engine_dir: Path, speculative: bool, serving: Any, threads: Optional[int] = None) -> Any:
+    """The engine folder served with `serving` (its device included), drafting or not."""
     from server.embedded.engine import EmbeddedEngine
 
     kw: dict[str, Any] = {"speculative": "on" if speculative else "off", "threads": threads}
     if speculative:
         kw["speculative_max_batch"] = 10**6  # draft at every batch size: the switch-off is what we measure
-    if device:
-        kw["device"] = device
-    return EmbeddedEngine.from_dir(engine_dir, **kw)
+    return EmbeddedEngine.from_dir(engine_dir, serving=serving, **kw)
 
 
 def measure(engine_dir: Path, batches: list[int], tokens: int, repeats: int, serving: Any,
-            problems: str, device: Optional[str], threads: Optional[int] = None, workload: str = "plain"
-            ) -> list[dict[str, Any]]:
+            problems: str, threads: Optional[int] = None, workload: str = "plain") -> list[dict[str, Any]]:
     import dataclasses
 
     from server.assembly import sandbox_for
@@ -121,7 +119,7 @@ def measure(engine_dir: Path, batches: list[int], tokens: int, repeats: int, ser
     try:
         for r in range(repeats):
             for speculative in (True, False):
-                engine = open_engine(engine_dir, speculative, device, threads)
+                engine = open_engine(engine_dir, speculative, serving, threads)
                 try:
                     prompts = problem_prompts(engine, problems, max(batches))
                     # warm-up at every batch size and length: CUDA graphs are captured per (batch,
@@ -172,7 +170,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--batches", default="1,4,8")
     ap.add_argument("--tokens", type=int, default=256, help="max tokens per sample (all turns)")
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--device", default=None, help="auto | cpu | cuda[:N] (default: the engine folder's)")
+    ap.add_argument("--device", default=None, help="auto | cpu | cuda[:N] (default: the recipe's serving.device)")
     ap.add_argument("--problems", default="engines/problems/smoke.csv")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads of the engine (default: every core)")
     ap.add_argument("--workload", choices=("plain", "tir"), default="plain",
@@ -183,11 +181,12 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     import torch
 
-    from server.embedded.settings import resolve_device
+    from server.embedded.settings import resolve_device, serving_settings
     from server.embedded.speculative import DEFAULT_MAX_BATCH
     from aimo_spec.recipe import load_recipe
 
     recipe = load_recipe(args.recipe, check_paths=False)  # serving needs the built engine, not the sources
+    serving = serving_settings(recipe, device=args.device)
     engine_dir = args.engine or recipe.layout.engine("embedded")
     spec = json.loads((engine_dir / "engine.json").read_text())
     if not spec.get("drafter_dir"):
@@ -195,9 +194,8 @@ def main(argv: Optional[list[str]] = None) -> int:
               file=sys.stderr)
         return 2
     batches = [int(b) for b in args.batches.split(",")]
-    dev = resolve_device(args.device or (spec.get("serving") or {}).get("device", "auto"))
-    rows = measure(engine_dir, batches, args.tokens, args.repeats, recipe.serving, args.problems, str(dev), args.threads,
-                   args.workload)
+    dev = resolve_device(serving.device)
+    rows = measure(engine_dir, batches, args.tokens, args.repeats, serving, args.problems, args.threads, args.workload)
     offline_file = recipe.layout.drafter / "acceptance.json"
     offline = json.loads(offline_file.read_text()) if offline_file.is_file() else None
     offline_tps = offline.get("tokens_per_step") if offline else None

@@ -10,7 +10,7 @@ engine fixes the shapes instead, which holds for any BLAS and any device:
 
 - **decode one row at a time** (`decode_rows`): every row is an M=1 forward over its own length,
   exactly what it would be alone. The price is the batching gain of the decode GEMMs (measured in
-  `python -m server.bench.deterministic`, README);
+  `python -m server.bench.deterministic`, docs/serving.md);
 - **prefill in aligned chunks** of `CHUNK` positions: the KV of positions [kC, kC + C) is always
   computed by the same chunk over the same prefix, so it is a function of the tokens alone;
 - **reuse only such KV**: a kept prefix counts up to the last full aligned chunk its own prefill
@@ -28,7 +28,6 @@ from typing import Any
 import torch
 
 CHUNK = 16  # aligned prefill chunk: the reuse granularity (a prompt re-prefills at most 15 tokens it could reuse)
-ENV = "EMBEDDED_DETERMINISTIC"  # 0 or 1: overrides serving.deterministic for one command
 
 
 def whole_chunks(n: int) -> int:

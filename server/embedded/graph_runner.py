@@ -1,6 +1,6 @@
 """The embedded engine's forward on a GPU: static KV, fused projections, CUDA graphs per batch bucket.
 
-Same interface as `SlotRunner` (prefill, decode, copy, swap over slot-organised KV), built for the
+A `BaseRunner` like `SlotRunner` (prefill, decode, copy, swap over slot-organised KV), built for the
 shape of a decode step on a GPU, where launches and small kernels, not bytes, set the time of a
 small model (gpt-fast's lesson):
 
@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from server.embedded.qlinear import Int8WeightOnlyLinear
-from server.embedded.runner import SUPPORTED, copy_prefix, draft_then_verify, swap_prefix
+from server.embedded.base_runner import BaseRunner, Draft
 
 MIN_CONTEXT_BUCKET = 256
 
@@ -169,22 +169,14 @@ def _post_attention(h: torch.Tensor, o: torch.Tensor, o_proj: Any, norm: Any, ga
     return h + down(act(g) * u)
 
 
-class GraphRunner:
+class GraphRunner(BaseRunner):
     def __init__(self, model: Any, num_slots: int, max_seq_len: int, graphs: Optional[bool] = None,
                  compile: bool = False, fuse: Optional[bool] = None):
+        super().__init__(model, num_slots, max_seq_len)
         cfg = model.config
-        if cfg.model_type not in SUPPORTED:
-            raise ValueError(f"embedded runtime: model_type {cfg.model_type!r} is not supported (supported: {SUPPORTED})")
-        self.model, self.inner = model, model.model
-        first = next(p for p in model.parameters() if p.is_floating_point())
-        self.dtype, self.device = first.dtype, first.device
         cuda = self.device.type == "cuda"
         self.graphs = cuda if graphs is None else graphs
-        self.nq, self.nkv = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.group = self.nq // self.nkv
-        self.scale = self.d ** -0.5
-        self.num_slots, self.max_seq_len = num_slots, max_seq_len
+        self.group = self.num_heads // self.num_kv_heads
         self.capacity = max_seq_len  # static: the scheduler never asks for more
         self.scratch = num_slots  # padded batch rows write their K/V here
         # fused GEMMs change the summation blocking: on by default only where speed matters (CUDA)
@@ -194,9 +186,7 @@ class GraphRunner:
             compiled = (torch.compile(_pre_tensors, dynamic=True), torch.compile(_post_tensors, dynamic=True))
         self.layers = [_Layer(layer, cuda if fuse is None else fuse, compiled) for layer in self.inner.layers]
         self.compiled = any(layer.compiled is not None for layer in self.layers)
-        shape = (num_slots + 1, self.nkv, max_seq_len, self.d)
-        self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
-        self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        self._allocate_kv(num_slots + 1, max_seq_len)
         with torch.inference_mode():
             pos = torch.arange(max_seq_len, device=self.device).unsqueeze(0)
             probe = torch.zeros(1, 1, cfg.hidden_size, dtype=self.dtype, device=self.device)
@@ -206,22 +196,7 @@ class GraphRunner:
         self._graphs: dict[tuple[int, int, int, bool], tuple[Any, dict[str, torch.Tensor]]] = {}
         self._pool: Any = None
 
-    # ---- cache management (same contract as SlotRunner)
-    def ensure_capacity(self, length: int) -> None:
-        if length > self.max_seq_len:
-            raise ValueError(f"sequence of {length} tokens exceeds the engine's max_seq_len {self.max_seq_len}")
-
-    def copy(self, src: int, dst: int, length: int) -> None:
-        copy_prefix((*self.k, *self.v), src, dst, length)
-
-    def swap(self, a: int, b: int, length: int) -> None:
-        swap_prefix((*self.k, *self.v), a, b, length)
-
     # ---- forward pieces
-    def _head(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        normed = self.inner.norm(h)
-        return self.model.lm_head(normed).float(), normed
-
     def _rows_step(self, ids: torch.Tensor, pos: torch.Tensor, write_rows: torch.Tensor, ctx: int
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """A decode (T=1) or verify (T>1) step on static inputs: ids, pos, write_rows [B, T], token t
@@ -232,33 +207,25 @@ class GraphRunner:
         # query rows per KV head: (token, group head), token-major, each masked at its own position
         mask = (torch.arange(ctx, device=ids.device).view(1, 1, ctx) <= pos.unsqueeze(-1))  # [B, T, ctx]
         mask = mask.repeat_interleave(self.group, 1).unsqueeze(1)  # [B, 1, T*group, ctx]
-        g, nkv, d = self.group, self.nkv, self.d
+        g, nkv, d = self.group, self.num_kv_heads, self.head_dim
         for i, layer in enumerate(self.layers):
-            q, k, v = layer.pre(h, cos, sin, self.nq, nkv, d)
+            q, k, v = layer.pre(h, cos, sin, self.num_heads, nkv, d)
             self.k[i][write_rows, :, pos] = k.view(b, t, nkv, d)
             self.v[i][write_rows, :, pos] = v.view(b, t, nkv, d)
             keys, values = self.k[i][:b, :, :ctx], self.v[i][:b, :, :ctx]
             # the group query heads of one KV head are `group` query rows of one attention: no expansion
             qr = q.view(b, t, nkv, g, d).permute(0, 2, 1, 3, 4).reshape(b, nkv, t * g, d)
             o = F.scaled_dot_product_attention(qr, keys, values, attn_mask=mask, scale=self.scale)
-            h = layer.post(h, o.view(b, nkv, t, g, d).permute(0, 2, 1, 3, 4).reshape(b * t, self.nq * d))
-        return self._head(h)
+            h = layer.post(h, o.view(b, nkv, t, g, d).permute(0, 2, 1, 3, 4).reshape(b * t, self.num_heads * d))
+        return self._head(h, True)
 
-    @torch.inference_mode()
-    def prefill(self, slot: int, token_ids: list[int], start: int, hidden: bool = False) -> Any:
-        """Write KV for token_ids at positions [start, start+n) of `slot`; logits [V] of the last one
-        (and its normed hidden state [H] with `hidden`)."""
-        n = len(token_ids)
-        end = start + n
-        self.ensure_capacity(end)
-        dev = self.device
-        ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
-        pos = torch.arange(start, end, device=dev)
+    def _prefill_layers(self, slot: int, start: int, end: int, ids: torch.Tensor, pos: torch.Tensor,
+                        mask: torch.Tensor) -> torch.Tensor:
+        n = ids.shape[0]
         h = self.inner.embed_tokens(ids)
         cos, sin = self.cos[pos], self.sin[pos]
-        mask = torch.arange(end, device=dev).unsqueeze(0) <= pos.unsqueeze(1)  # [n, end]
         for i, layer in enumerate(self.layers):
-            q, k, v = layer.pre(h, cos, sin, self.nq, self.nkv, self.d)
+            q, k, v = layer.pre(h, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
             self.k[i][slot, :, start:end] = k.transpose(0, 1)
             self.v[i][slot, :, start:end] = v.transpose(0, 1)
             keys, values = self.k[i][slot, :, :end], self.v[i][slot, :, :end]  # [nkv, end, d]
@@ -266,9 +233,8 @@ class GraphRunner:
                 keys, values = keys.repeat_interleave(self.group, 0), values.repeat_interleave(self.group, 0)
             o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
                                                attn_mask=mask, scale=self.scale)  # [1, nq, n, d]
-            h = layer.post(h, o[0].transpose(0, 1).reshape(n, self.nq * self.d))
-        logits, normed = self._head(h[-1])
-        return (logits, normed) if hidden else logits
+            h = layer.post(h, o[0].transpose(0, 1).reshape(n, self.num_heads * self.head_dim))
+        return h
 
     @torch.inference_mode()
     def decode(self, token_ids: list[int], positions: list[int], hidden: bool = False) -> Any:
@@ -308,16 +274,15 @@ class GraphRunner:
         return (logits, normed.view(b, t, -1)[:n]) if hidden else logits
 
     @torch.inference_mode()
-    def draft_verify(self, draft: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], context: torch.Tensor,
-                     first: torch.Tensor, starts: list[int], draft_len: int
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def draft_verify(self, draft: Draft, context: torch.Tensor, first: torch.Tensor, starts: list[int],
+                     draft_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Draft `draft_len` tokens per row (`draft(context [n, H], first [n]) -> [n, L]`) and verify
         [first, drafts] in the same step; on CUDA the drafter's kernels are captured in the verify
         graph, so a speculative step is one replay. Returns drafts [n, L], logits [n, T, V], hidden
         [n, T, H]."""
         n, t = context.shape[0], draft_len + 1
         if not self.graphs:
-            return draft_then_verify(self, draft, context, first, starts)
+            return self.draft_then_verify(draft, context, first, starts)
         longest = max(starts) + t
         self.ensure_capacity(longest)
         b = bucket(n, self.buckets)

@@ -1,50 +1,80 @@
-"""How an embedded engine is configured: an engine folder's settings, then the command's overrides.
+"""How the runtime is configured: a command's serving settings, and the options of an embedded engine.
 
-One home for the choices `EmbeddedEngine.from_dir` makes before it loads anything: the device
-(`auto` is resolved here and only here), speculative decoding, deterministic mode, and the limits
-the build fixed. The order is: the folder (`engine.json`), then the environment (one command's
-override, e.g. `make solve DEVICE=cpu`), then keyword arguments.
+Serving settings have one home, the recipe's `serving` section: an engine folder (`engine.json`) holds
+only what the build decided (format, limits, files, drafter shape), so editing a temperature, a vote
+or the device never redoes the build. `serving_settings` resolves them, once per command, for every
+backend and surface (solve, eval, serve, Triton, Kaggle, benchmarks): the recipe's section (its
+defaults without a recipe), then the environment (one command's override, e.g. `make solve
+DEVICE=cpu`), then the command's flags.
+
+`engine_options` makes the choices `EmbeddedEngine.from_dir` makes before it loads anything: the
+limits the build fixed, then the device, speculative decoding and deterministic mode of the serving
+settings, then keyword arguments. `auto` devices are resolved by `resolve_device`, here and only here.
+Nothing here imports torch at import time: the surfaces resolve settings for remote backends too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-import torch
+from aimo_spec.layout import ENGINE_FILE
+from aimo_spec.recipe import Recipe, ServingSpec
 
-import server.embedded.deterministic as deterministic
-from server.embedded.speculative import SpecConfig
+if TYPE_CHECKING:
+    import torch
 
-DEVICE_ENV = "EMBEDDED_DEVICE"  # overrides the engine folder's serving.device for one command
+DEVICE_ENV = "EMBEDDED_DEVICE"  # overrides serving.device for one command (make ... DEVICE=cpu)
 SPECULATIVE_ENV = "EMBEDDED_SPECULATIVE"  # auto|on|off: overrides serving.speculative.enabled for one command
+DETERMINISTIC_ENV = "EMBEDDED_DETERMINISTIC"  # 0|1: overrides serving.deterministic (make ... DETERMINISTIC=1)
+SPECULATIVE_MODES = ("auto", "on", "off")
 
 
-def speculation(engine_dir: Path, spec: dict[str, Any], override: Optional[str] = None,
-                max_batch: Optional[int] = None) -> dict[str, Any]:
-    """EmbeddedEngine keywords (drafter, speculative) for an engine folder: on when it has a drafter,
-    unless serving.speculative (or the override) says off; 'on' without a drafter is an error."""
-    cfg = (spec.get("serving") or {}).get("speculative") or {}
-    mode = override or os.environ.get(SPECULATIVE_ENV) or cfg.get("enabled", "auto")
-    if mode not in ("auto", "on", "off"):
+def serving_settings(source: Recipe | ServingSpec | None = None, *, device: Optional[str] = None,
+                     speculative: Optional[str] = None, deterministic: Optional[bool] = None) -> ServingSpec:
+    """The serving settings a command runs with: `source`'s (a recipe's `serving`, a section read
+    elsewhere, or the defaults), then the environment (DEVICE_ENV, SPECULATIVE_ENV, DETERMINISTIC_ENV),
+    then the flags given here (None: not given)."""
+    serving = source.serving if isinstance(source, Recipe) else source or ServingSpec()
+    mode = speculative or os.environ.get(SPECULATIVE_ENV) or serving.speculative.enabled
+    if mode not in SPECULATIVE_MODES:
+        raise ValueError(f"speculative: {mode!r} is not auto, on or off")
+    if deterministic is None:
+        flag = os.environ.get(DETERMINISTIC_ENV, "")
+        if flag not in ("", "0", "1"):
+            raise ValueError(f"{DETERMINISTIC_ENV}={flag!r}: expected 0 or 1")
+        deterministic = flag == "1" if flag else serving.deterministic
+    return dataclasses.replace(serving, device=device or os.environ.get(DEVICE_ENV) or serving.device,
+                               deterministic=deterministic,
+                               speculative=dataclasses.replace(serving.speculative, enabled=mode))
+
+
+def speculation(engine_dir: Path, spec: dict[str, Any], mode: str, max_batch: int) -> dict[str, Any]:
+    """EmbeddedEngine keywords (drafter, speculative) for an engine folder: `mode` auto drafts when the
+    folder has a drafter, off never; 'on' without a drafter is an error."""
+    if mode not in SPECULATIVE_MODES:
         raise ValueError(f"speculative: {mode!r} is not auto, on or off")
     rel = spec.get("drafter_dir")
     if mode == "off" or (rel is None and mode == "auto"):
         return {}
     if rel is None:
-        raise ValueError(f"{engine_dir / 'engine.json'}: speculative decoding is on but the engine has no drafter "
+        raise ValueError(f"{engine_dir / ENGINE_FILE}: speculative decoding is on but the engine has no drafter "
                          "(drafter.kind: redrafter in the recipe, then make build)")
+    from server.embedded.speculative import SpecConfig
+
     drafter = spec.get("drafter") or {}
     return {"drafter": engine_dir / rel,
             "speculative": SpecConfig(draft_len=int(drafter.get("draft_len_per_beam", 3)),
-                                      num_beams=int(drafter.get("num_beams", 1)),
-                                      max_batch=int(max_batch if max_batch is not None else cfg.get("max_batch", 0)))}
+                                      num_beams=int(drafter.get("num_beams", 1)), max_batch=int(max_batch))}
 
 
-def resolve_device(device: str) -> torch.device:
+def resolve_device(device: str) -> "torch.device":
     """auto: the first CUDA device when there is one, else the CPU; errors name what is wrong."""
+    import torch
+
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -60,36 +90,33 @@ def resolve_device(device: str) -> torch.device:
 
 def engine_options(engine_dir: str | Path, overrides: dict[str, Any]) -> tuple[Path, dict[str, Any]]:
     """(model folder, EmbeddedEngine keywords) for a folder written by `make engine` (build/embedded/)
-    or a plain HF checkpoint folder. `speculative="on"|"off"|"auto"` in `overrides` overrides the
-    folder's serving.speculative.enabled (and the EMBEDDED_SPECULATIVE environment variable does,
-    for one command)."""
+    or a plain HF checkpoint folder. `overrides` are `from_dir`'s keywords: `serving`, the command's
+    serving settings (`serving_settings`; without it, the defaults under the command's environment);
+    `speculative` (auto|on|off) and `speculative_max_batch` over serving.speculative; and any
+    EmbeddedEngine keyword (device, deterministic, threads, ...), which wins over both. A `serving`
+    copy in `engine.json` (folders built before the settings left the build) is ignored."""
     overrides = dict(overrides)
+    serving: ServingSpec = overrides.pop("serving", None) or serving_settings()
+    mode = overrides.pop("speculative", None) or serving.speculative.enabled
+    max_batch = overrides.pop("speculative_max_batch", None)
+    if max_batch is None:
+        max_batch = serving.speculative.max_batch
     engine_dir = Path(engine_dir)
-    spec_file = engine_dir / "engine.json"
+    spec_file = engine_dir / ENGINE_FILE
+    kw: dict[str, Any] = {"device": serving.device, "deterministic": serving.deterministic}
     if spec_file.is_file():
         spec = json.loads(spec_file.read_text())
         if spec.get("backend") != "embedded":
             raise ValueError(f"{spec_file}: backend is {spec.get('backend')!r}, not 'embedded'")
         model_dir = engine_dir / spec["model_dir"]
         limits = spec["limits"]
-        serving = spec.get("serving") or {}
-        kw = dict(max_batch_size=limits["max_batch_size"], max_seq_len=limits["max_seq_len"],
-                  max_input_len=limits["max_input_len"], device=serving.get("device", "auto"),
-                  deterministic=bool(serving.get("deterministic", False)),
-                  **speculation(engine_dir, spec, overrides.pop("speculative", None),
-                                overrides.pop("speculative_max_batch", None)))
+        kw.update(max_batch_size=limits["max_batch_size"], max_seq_len=limits["max_seq_len"],
+                  max_input_len=limits["max_input_len"],
+                  **speculation(engine_dir, spec, mode, max_batch))
     elif (engine_dir / "config.json").is_file():
-        model_dir, kw = engine_dir, {}
-        overrides.pop("speculative", None), overrides.pop("speculative_max_batch", None)
+        model_dir = engine_dir  # a plain checkpoint: no drafter, and EmbeddedEngine's defaults for the limits
     else:
         raise FileNotFoundError(f"{engine_dir}: neither an embedded engine (engine.json) nor an HF checkpoint "
                                 "(config.json); run `make engine` first")
-    if os.environ.get(DEVICE_ENV):
-        kw["device"] = os.environ[DEVICE_ENV]  # a command's override (make ... DEVICE=cpu)
-    env = os.environ.get(deterministic.ENV, "")
-    if env:
-        if env not in ("0", "1"):
-            raise ValueError(f"{deterministic.ENV}={env!r}: expected 0 or 1")
-        kw["deterministic"] = env == "1"
     kw.update(overrides)
     return model_dir, kw

@@ -4,7 +4,8 @@ The program: server/programs/kaggle_package.py.
 
 The folder holds `wheels/` (the project's own wheel; with `--wheels runtime` also the pinned serving
 libraries Kaggle's image lacks or has at other versions, from requirements/kaggle.txt), `engine/`
-(the built engine folder), `problems.csv` (for the local gateway) and `aimo_trt.ipynb`. The notebook
+(the built engine folder), `serving.json` (the recipe's serving section: the engine folder holds only
+what the build decided), `problems.csv` (for the local gateway) and `aimo_trt.ipynb`. The notebook
 installs the wheels with `pip --no-index` (no network) into a folder of its own, builds `predict`,
 and starts Kaggle's inference server, or the local gateway off Kaggle.
 
@@ -24,7 +25,9 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from aimo_spec.recipe import ServingSpec, to_data
 from server.kaggle.competitions import COMPETITIONS
+from server.kaggle.predict import SERVING_FILE
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -110,7 +113,8 @@ print(f"dataset {{DATASET}}: installed {{len(wheels)}} wheels into {{SITE}}")
         _cell("code", f"""
 from server.kaggle.predict import Predictor
 
-predictor = Predictor(os.path.join(DATASET, "engine"), problems=int(os.environ.get("AIMO_PROBLEMS", "{problems}")),
+predictor = Predictor(os.path.join(DATASET, "engine"), serving=os.path.join(DATASET, "{SERVING_FILE}"),
+                      problems=int(os.environ.get("AIMO_PROBLEMS", "{problems}")),
                       samples=int(os.environ["AIMO_SAMPLES"]) if os.environ.get("AIMO_SAMPLES") else None,
                       competition="{competition}", answer_range={answer_range!r}, started_at=T0)
 
@@ -202,11 +206,13 @@ def download_command(pinned: list[str], dest: Path, python_version: str = KAGGLE
             *(a for p in PLATFORMS for a in ("--platform", p)), "-d", str(dest), *pinned]
 
 
-def build(engine_dir: Path, out: Path, problems_csv: Path, wheels: str = "project", dataset_name: str = "aimo-trt",
-          problems: int = 50, competition: str = "aimo3", python_version: str = KAGGLE_PYTHON,
-          trtllm_wheels: Optional[Path] = None, answer_range: Optional[int] = None) -> dict:
-    """Write the dataset folder `out` (its name on Kaggle: `dataset_name`); checks first, so a bad input
-    leaves nothing half-written."""
+def build(engine_dir: Path, out: Path, problems_csv: Path, serving: ServingSpec, wheels: str = "project",
+          dataset_name: str = "aimo-trt", problems: int = 50, competition: str = "aimo3",
+          python_version: str = KAGGLE_PYTHON, trtllm_wheels: Optional[Path] = None,
+          answer_range: Optional[int] = None) -> dict:
+    """Write the dataset folder `out` (its name on Kaggle: `dataset_name`) for `engine_dir` served with
+    `serving` (the recipe's section, as written: the notebook's environment may override it there);
+    checks first, so a bad input leaves nothing half-written."""
     from server.engine_check import check_engine_folder
     from server.problems import read_problems
 
@@ -234,6 +240,7 @@ def build(engine_dir: Path, out: Path, problems_csv: Path, wheels: str = "projec
         for w in trt_set:
             shutil.copy(w, out / "wheels" / TRTLLM_WHEELS_DIR / w.name)
     shutil.copytree(engine_dir, out / "engine", ignore=shutil.ignore_patterns("manifest.json"))
+    (out / SERVING_FILE).write_text(json.dumps(to_data(serving), indent=2) + "\n")
     shutil.copy(problems_csv, out / "problems.csv")
     (out / "aimo_trt.ipynb").write_text(json.dumps(notebook(dataset_name, problems, competition, trtllm, answer_range),
                                                    indent=1) + "\n")

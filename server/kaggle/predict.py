@@ -21,6 +21,7 @@ Failures are loud where a zero submission would hide them, quiet where an answer
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 import threading
 import time
@@ -28,12 +29,14 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from server.embedded.settings import serving_settings
 from server.kaggle.rows import answer_frame, read_rows
 from server.problems import tools_note
 from aimo_spec.recipe import ANSWER_RANGES, ServingSpec, parse_section
 
 HEARTBEAT_SECONDS = 30.0
 MIN_RETRY_SECONDS = 5.0  # a restart is worth it only with this much of the problem's time left
+SERVING_FILE = "serving.json"  # in the Kaggle dataset, beside engine/: the recipe's serving section (make kaggle)
 
 
 class EngineStartError(RuntimeError):
@@ -44,29 +47,44 @@ def _log(msg: str) -> None:
     print(f"[predict] {msg}", file=sys.stderr, flush=True)
 
 
+def read_serving(path: str | Path) -> ServingSpec:
+    """A serving section as `make kaggle` writes it (SERVING_FILE: the recipe's `serving`), validated
+    like the recipe; errors name the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no serving settings (`make kaggle` writes {SERVING_FILE} beside engine/)")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e}); rebuild the dataset with `make kaggle`") from None
+    return parse_section(data, ServingSpec, "serving", str(path))
+
+
 class Predictor:
     """Holds the engine, sandbox, solver and the run's time budget across calls."""
 
     def __init__(self, engine_dir: str | Path, problems: int = 50, answer_range: Optional[int] = None,
                  samples: Optional[int] = None, log: Callable[[str], None] = _log,
                  engine_factory: Optional[Callable[[], Any]] = None, url: str = "", competition: str = "aimo3",
-                 started_at: Optional[float] = None):
-        """`url`: solve through OpenAI-compatible server(s) there (comma-separated replicas; the engine
-        folder still gives the serving section and the tokenizer) instead of opening the engine here.
-        `answer_range`: answers modulo this (default: the competition's). `started_at`: the notebook's
-        start (time.time()), to report the time to the first call and the first answer."""
+                 started_at: Optional[float] = None, serving: ServingSpec | str | Path | None = None):
+        """`serving`: the serving settings (a `ServingSpec`, or the dataset's SERVING_FILE; None: the
+        defaults), under this process's environment (`serving_settings`). `url`: solve through
+        OpenAI-compatible server(s) there (comma-separated replicas; the engine folder still gives the
+        tokenizer) instead of opening the engine here. `answer_range`: answers modulo this (default: the
+        competition's). `started_at`: the notebook's start (time.time()), to report the time to the
+        first call and the first answer."""
         from server.engine_check import check_engine_folder, EngineFolderError
         from server.backends import read_engine_file
 
         self.engine_dir, self.url = Path(engine_dir), url
-        spec_file = self.engine_dir / "engine.json"
-        try:  # a folder the factory does not open still gives the serving section: check what is read
+        try:  # a folder the factory does not open still gives the limits and the tokenizer: check what is read
             self.spec = check_engine_folder(self.engine_dir) if engine_factory is None and not url \
                 else read_engine_file(self.engine_dir)
         except (FileNotFoundError, ValueError) as e:
             raise EngineFolderError(f"{e} (the Kaggle dataset's engine/ is a copy of build/embedded/ or "
                                     "build/trtllm/ from `make engine`)") from None
-        self.serving: ServingSpec = parse_section(self.spec.get("serving", {}), ServingSpec, "serving", str(spec_file))
+        self.serving: ServingSpec = serving_settings(
+            read_serving(serving) if isinstance(serving, (str, Path)) else serving)
         self.max_input_len = int((self.spec.get("limits") or {}).get("max_input_len") or 0)
         self.problems, self.samples, self.log = problems, samples, log
         if competition not in ANSWER_RANGES:
@@ -90,7 +108,7 @@ class Predictor:
 
         if self.url:
             return driver("openai")(self.url, str(self.engine_dir / self.spec.get("model_dir", "model")))
-        return open_engine(self.engine_dir)
+        return open_engine(self.engine_dir, self.serving)
 
     def _load(self) -> None:
         done = threading.Event()

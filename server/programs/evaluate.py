@@ -40,17 +40,18 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     from server.assembly import sandbox_for
     from server.embedded.engine import EmbeddedEngine
+    from server.embedded.settings import serving_settings
     from server.problems import log, read_problems
     from aimo_spec.recipe import RecipeError, load_recipe
 
     try:
         recipe = load_recipe(args.recipe)
+        serving = serving_settings(recipe)
         problems = read_problems(args.data)
         settings = parse_tool_settings(args.tool_settings)
     except (RecipeError, ValueError, FileNotFoundError) as e:
         print(f"eval: {e}", file=sys.stderr)
         return 2
-    serving = recipe.serving
     if args.max_tokens:
         import dataclasses
 
@@ -64,7 +65,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     out = args.out or Path("runs") / recipe.name / "eval"
     out.mkdir(parents=True, exist_ok=True)
-    t = recipe.serving.tool
+    t = serving.tool
     if settings:
         import dataclasses
 
@@ -90,7 +91,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     print(f"eval: {e}", file=sys.stderr)
                     return 2
             else:
-                engine = EmbeddedEngine.from_dir(dirs[name])
+                engine = EmbeddedEngine.from_dir(dirs[name], serving=serving)
             try:
                 t0 = time.monotonic()
                 results = asyncio.run(run_variant(engine, pool, run_serving, problems, args.k, args.seconds, log))

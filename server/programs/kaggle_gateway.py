@@ -1,6 +1,7 @@
 """A local gateway that calls `predict` the way Kaggle's AIMO gateway does, for use off Kaggle.
 
-    python -m server.programs.kaggle_gateway --engine engines/mix/build/embedded --problems engines/problems/smoke.csv
+    python -m server.programs.kaggle_gateway --engine engines/mix/build/embedded --problems engines/problems/smoke.csv \
+        [--serving engines/mix/kaggle/serving.json]
 
 Serves `predict` from the engine (or --url's OpenAI-compatible servers) to the local gateway
 (server/kaggle/gateway.py), which writes `submission.parquet` and `gateway_report.json` to --out.
@@ -19,6 +20,8 @@ from server.kaggle.gateway import GatewayError, read_frame, run
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m server.programs.kaggle_gateway", description=__doc__.splitlines()[0])
     ap.add_argument("--engine", required=True)
+    ap.add_argument("--serving", default=None, help="the serving settings: a Kaggle dataset's serving.json "
+                                                    "(default: the defaults)")
     ap.add_argument("--problems", required=True, type=Path)
     ap.add_argument("--out", type=Path, default=Path("runs/kaggle"))
     ap.add_argument("--seed", type=int, default=0)
@@ -31,7 +34,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         n = read_frame(args.problems).height
         predictor = Predictor(args.engine, problems=n, samples=args.samples, url=args.url,
-                              competition=args.competition)
+                              competition=args.competition, serving=args.serving)
     except (GatewayError, ValueError, FileNotFoundError) as e:
         print(f"gateway: {e}", file=sys.stderr)
         return 2

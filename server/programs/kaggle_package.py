@@ -46,7 +46,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             trtllm_wheel_set(args.trtllm_wheels)
         out = args.out or recipe.layout.kaggle
         competition = args.competition or recipe.kaggle.competition
-        info = build(recipe.layout.engine(kind), out, args.problems, args.wheels, dataset_name=args.dataset_name,
+        info = build(recipe.layout.engine(kind), out, args.problems, recipe.serving, args.wheels,
+                     dataset_name=args.dataset_name,
                      competition=competition, python_version=args.python_version, trtllm_wheels=args.trtllm_wheels,
                      answer_range=recipe.kaggle.answer_range or None)
     except (RecipeError, EngineFolderError, FileNotFoundError, ValueError, subprocess.CalledProcessError) as e:

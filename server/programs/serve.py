@@ -26,23 +26,30 @@ def _log(msg: str) -> None:
 
 
 def engine_loader(args: argparse.Namespace) -> tuple[Callable[[], Any], str]:
-    """How to open the engine the arguments name (run later, in the loading thread), and its model name."""
+    """How to open the engine the arguments name (run later, in the loading thread), and its model name.
+    The serving settings are the recipe's (`--recipe`) or the defaults (`--engine`), under the command's
+    environment and flags (`serving_settings`)."""
     from server import backends
+    from server.embedded.settings import serving_settings
 
     overrides = {k: v for k, v in (("max_batch_size", args.max_batch_size), ("max_seq_len", args.max_seq_len),
                                    ("threads", args.threads)) if v}
+    deterministic = True if args.deterministic else None
     if args.engine:
         folder = Path(args.engine)
         name = args.model_name or (folder.parent.parent.name if folder.parent.name == "build" else folder.name)
+        serving = serving_settings(deterministic=deterministic)
         if (folder / "engine.json").is_file():
-            return (lambda: backends.open_engine(folder, **overrides)), name
+            return (lambda: backends.open_engine(folder, serving, **overrides)), name
         if (folder / "config.json").is_file():
-            return (lambda: backends.driver("embedded").from_dir(folder, **overrides)), name
+            return (lambda: backends.driver("embedded").from_dir(folder, serving=serving, **overrides)), name
         raise FileNotFoundError(f"{folder}: neither an engine folder (engine.json) nor an HF checkpoint (config.json)")
     from aimo_spec.recipe import load_recipe
 
     recipe = load_recipe(args.recipe)
-    return (lambda: backends.open_for_recipe(recipe, args.backend, args.triton_url, args.url)), args.model_name or recipe.name
+    serving = serving_settings(recipe, deterministic=deterministic)
+    return ((lambda: backends.open_for_recipe(recipe, args.backend, args.triton_url, args.url, serving)),
+            args.model_name or recipe.name)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -75,15 +82,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ImportError as e:
         print(f"serve: {e}; install the pinned environment (`make setup`)", file=sys.stderr)
         return 2
-    if args.deterministic:
-        if args.backend not in ("auto", "embedded"):
-            print(f"serve: --deterministic is the embedded engine's mode (not --backend {args.backend})", file=sys.stderr)
-            return 2
-        import os
-
-        from server.embedded.deterministic import ENV
-
-        os.environ[ENV] = "1"
+    if args.deterministic and args.backend not in ("auto", "embedded"):
+        print(f"serve: --deterministic is the embedded engine's mode (not --backend {args.backend})", file=sys.stderr)
+        return 2
     try:
         load, name = engine_loader(args)
     except (ValueError, FileNotFoundError) as e:

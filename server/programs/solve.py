@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 from server.assembly import build_solver, sandbox_for
 from server.backends import SERVING_BACKENDS, open_for_recipe
+from server.embedded.settings import serving_settings
 from aimo_spec.atomic import write_atomic
 from aimo_spec.recipe import RecipeError, load_recipe
 
@@ -59,16 +60,17 @@ async def _main(args: argparse.Namespace) -> int:
     from server.problems import log, read_problems, run_problems
 
     recipe = load_recipe(args.recipe)
+    serving = serving_settings(recipe)
     problems = read_problems(args.problems)
     out = Path(args.out or f"runs/{recipe.name}/{Path(args.problems).stem}")
     out.mkdir(parents=True, exist_ok=True)
     log(f"[solve] {len(problems)} problems from {args.problems}; loading the {recipe.name} engine")
-    engine = open_for_recipe(recipe, args.backend, args.triton_url, args.url)
-    sandbox = sandbox_for(recipe.serving.tool)
+    engine = open_for_recipe(recipe, args.backend, args.triton_url, args.url, serving)
+    sandbox = sandbox_for(serving.tool)
     log(f"[solve] sandbox: {sandbox.size} warm workers, isolation {sandbox.mechanism}")
     try:
-        solver = build_solver(recipe.serving, engine, sandbox, args.samples)
-        budget = TimeBudget(recipe.serving.budget, len(problems))
+        solver = build_solver(serving, engine, sandbox, args.samples)
+        budget = TimeBudget(serving.budget, len(problems))
         stats = getattr(engine, "stats", None)
         writer = ResultsWriter(out / "results.json", log)
         report = await run_problems(solver, problems, budget, out / "traces.jsonl",

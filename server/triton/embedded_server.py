@@ -6,7 +6,9 @@ Serves the `ensemble` interface (server/triton/interface.py) in decoupled (strea
 async generator, so many requests share one in-flight batch. The model is loaded before it is bound:
 Triton's readiness endpoint says ready only once the engine can serve. A request with parameter
 `stop: true` ends the running request of the same `request_key` (its stream ends with finish_reason
-'cancelled'). Runs in the Triton environment (.venv-triton: PyTriton needs numpy<2).
+'cancelled'). The engine runs with the serving settings it is given (the program passes the recipe's,
+resolved by `serving_settings`, or the defaults). Runs in the Triton environment (.venv-triton:
+PyTriton needs numpy<2).
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ import os
 import sysconfig
 import time
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Optional
 
+from aimo_spec.recipe import ServingSpec
 from server.triton.interface import INPUTS, KEY_PARAMETER, MODEL, OUTPUTS, STOP_PARAMETER
 
 
@@ -136,7 +139,9 @@ def tensors(fields: tuple, inputs: bool = True) -> list:
     return [Tensor(name=f.name, dtype=dtype(f), shape=f.shape, optional=f.optional and inputs) for f in fields]
 
 
-def serve(engine_dir: Path, grpc_port: int, http_port: int, metrics_port: int, log: Any = print) -> None:
+def serve(engine_dir: Path, grpc_port: int, http_port: int, metrics_port: int, log: Any = print,
+          serving: Optional[ServingSpec] = None) -> None:
+    """Serve `engine_dir` with `serving` (the command's serving settings; None: the defaults) until stopped."""
     from pytriton.model_config import ModelConfig
     from pytriton.triton import Triton, TritonConfig
 
@@ -147,7 +152,7 @@ def serve(engine_dir: Path, grpc_port: int, http_port: int, metrics_port: int, l
     if libdir and libdir not in os.environ.get("LD_LIBRARY_PATH", ""):
         os.environ["LD_LIBRARY_PATH"] = f"{libdir}:{os.environ.get('LD_LIBRARY_PATH', '')}"
     t0 = time.time()
-    engine = EmbeddedEngine.from_dir(engine_dir)
+    engine = EmbeddedEngine.from_dir(engine_dir, serving=serving)
     log(f"[triton] engine loaded from {engine_dir} in {time.time() - t0:.1f}s")
     servable = Servable(engine)
     config = TritonConfig(grpc_port=grpc_port, http_port=http_port, metrics_port=metrics_port, exit_timeout_secs=5)

@@ -20,6 +20,7 @@ from torch.nn import functional as F
 
 from trtbuild.drafter.data import Sequence
 from server.embedded.redrafter import DrafterConfig, ReDrafter
+from server.embedded.settings import resolve_device
 from aimo_spec.recipe import DrafterTrainSpec
 
 
@@ -105,7 +106,7 @@ def train(model: Any, train_seqs: list[Sequence], heldout_seqs: list[Sequence], 
     config = DrafterConfig(hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
                            exit_dim=spec.exit_dim or cfg.hidden_size, num_draft_layers=spec.layers, rnn=True,
                            trained_draft_len=k)
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device(str(device or "auto"))
     drafter = ReDrafter(config)
     head = model.get_output_embeddings()
     drafter.init_from_target((head.dequantized() if hasattr(head, "dequantized") else head.weight).detach().cpu())

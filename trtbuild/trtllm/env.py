@@ -134,7 +134,7 @@ def probe(python: Optional[str] = None) -> TrtllmEnv:
         env.problems.append(err)
     elif env.version is None:
         env.problems.append(f"TensorRT-LLM is not installed in {env.python} (needs {SUPPORTED}x on a GPU host; "
-                            f"set {PYTHON_ENV} to its python; see README 'GPU workflow')")
+                            f"set {PYTHON_ENV} to its python; see docs/trtllm.md)")
     elif not env.version.startswith(SUPPORTED):
         env.problems.append(f"TensorRT-LLM {env.version} in {env.python}; this toolkit targets {SUPPORTED}x "
                             "(the engine + ReDrafter path is removed from later releases)")

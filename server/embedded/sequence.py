@@ -1,0 +1,86 @@
+"""The records the embedded engine's parts share: one request in flight (`Seq`) and the counters (`EngineStats`).
+
+The scheduler places a `Seq` in a slot, a step policy advances it, and the engine streams its tokens;
+each reads and writes the fields below, so they live apart from all three.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from aimo_spec.protocol import Request, SamplingParams
+from server.stream import RequestStream
+
+
+@dataclass
+class Seq:
+    """A request in the scheduler: its stream plus where its KV lives."""
+
+    stream: RequestStream
+    gen: torch.Generator
+    seed: int  # the device sampler's noise key (the CPU sampler uses `gen`)
+    slot: int = -1
+    kv_len: int = 0  # tokens whose KV is in the slot
+    pending: Optional[int] = None  # sampled, not yet in the cache
+    max_new: int = 0
+    canonical: int = 0  # deterministic mode: leading positions whose KV came from whole aligned prefill chunks
+    hidden: Optional[torch.Tensor] = None  # the target's normed hidden state that produced `pending` (drafting)
+
+    @property
+    def req(self) -> Request:
+        return self.stream.request
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.stream.params
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.stream.prompt
+
+    @property
+    def generated(self) -> list[int]:
+        return self.stream.generated
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.stream.prompt + self.stream.generated
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    decode_tokens: int = 0
+    prefill_tokens: int = 0
+    cached_tokens: int = 0
+    forward_seconds: float = 0.0
+    sample_seconds: float = 0.0
+    busy_seconds: float = 0.0  # scheduler iterations with work, all included
+    requests: int = 0
+    batch_sizes: list[int] = field(default_factory=list)
+    spec_steps: int = 0  # steps that drafted (speculative decoding)
+    spec_rows: int = 0  # sequences in those steps, summed
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+
+    @property
+    def tokens_per_spec_step(self) -> float:
+        """Tokens a sequence gains per drafting step: 1 + accepted drafts (what the drafter buys)."""
+        return 1.0 + self.accepted_draft_tokens / self.spec_rows if self.spec_rows else 0.0
+
+    def speculative(self) -> Optional[dict[str, Any]]:
+        """What speculative decoding did (None when it never drafted): for solve/eval/bench reports."""
+        if not self.spec_steps:
+            return None
+        return {"drafting_steps": self.spec_steps, "steps": self.steps, "draft_tokens": self.draft_tokens,
+                "accepted_draft_tokens": self.accepted_draft_tokens,
+                "acceptance": round(self.accepted_draft_tokens / self.draft_tokens, 4),
+                "tokens_per_step": round(self.tokens_per_spec_step, 4),
+                "forward_seconds": round(self.forward_seconds, 3)}
+
+    @property
+    def bookkeeping_seconds(self) -> float:
+        return max(0.0, self.busy_seconds - self.forward_seconds - self.sample_seconds)

@@ -1,0 +1,192 @@
+"""How the embedded engine advances its sequences: a step policy, plain or speculative.
+
+A step policy has two calls: `prefill(seq)` computes an admitted sequence's prompt KV (past the prefix
+the scheduler reused) and samples its first token; `decode(batch)` runs one step for the running
+batch. Both hand every new token to `emit` (the engine's: it streams the token and ends the request
+when it should), and count their work in the engine's `EngineStats`. The engine picks one policy at
+construction: `PlainStep` decodes one token per sequence per step; `SpeculativeStep` drafts.
+
+Speculative decoding (`speculative.py` has the acceptance rule): with a ReDrafter head (an engine
+folder's `drafter/`), each step drafts L tokens per running sequence and the target verifies all of
+them for every sequence in one forward; each sequence keeps its accepted drafts plus one token of the
+target's, exactly distributed as without the drafter. Above `max_batch` running sequences (per
+device, measured) the step decodes one token per sequence instead; both kinds of step keep the
+drafter's input (the target's hidden state of each pending token) current.
+
+Deterministic mode (deterministic.py) is a plain step: aligned prefill chunks, one row at a time.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from functools import partial
+from typing import Any, Callable, Optional
+
+import torch
+
+from server.embedded.deterministic import CHUNK, decode_rows, whole_chunks
+from server.embedded.sampler import sample, sample_device
+from server.embedded.sequence import EngineStats, Seq
+from server.embedded.speculative import SpecConfig, accept_device, accept_host, top_logprobs
+
+PREFILL_CHUNK = 512  # prompt tokens per prefill forward (deterministic mode: CHUNK)
+
+Emit = Callable[[Seq, int, Any], bool]  # (sequence, token, its top logprobs) -> the request ended
+
+
+class PlainStep:
+    """One token per running sequence per step."""
+
+    hidden = False  # whether forwards also return the normed hidden states (the drafter's input)
+
+    def __init__(self, runner: Any, stats: EngineStats, emit: Emit, deterministic: bool = False):
+        self.runner, self.stats, self.emit = runner, stats, emit
+        self.deterministic = deterministic
+        self._forward = partial(decode_rows, runner) if deterministic else runner.decode
+
+    def prefill(self, seq: Seq) -> None:
+        """Compute the KV of seq's prompt past the `kv_len` positions reused, then sample its first token."""
+        n, reused = len(seq.prompt), seq.kv_len
+        self.stats.cached_tokens += reused
+        t0 = time.perf_counter()
+        out = None
+        chunk = CHUNK if self.deterministic else PREFILL_CHUNK  # reused is a multiple of CHUNK there
+        for start in range(reused, n, chunk):
+            out = self.runner.prefill(seq.slot, seq.prompt[start:start + chunk], start, hidden=self.hidden)
+        self.stats.forward_seconds += time.perf_counter() - t0
+        self.stats.prefill_tokens += n - reused
+        seq.kv_len = n
+        seq.canonical = whole_chunks(n)
+        if self.hidden:
+            self._sampled([seq], out[0].unsqueeze(0), out[1].unsqueeze(0))
+        else:
+            self._sampled([seq], out.unsqueeze(0))
+
+    def decode(self, batch: list[Seq]) -> None:
+        """One token for every sequence of the batch (slots 0..n-1)."""
+        t0 = time.perf_counter()
+        out = self._forward([s.pending for s in batch], [s.kv_len for s in batch], hidden=self.hidden)
+        logits, hidden = out if self.hidden else (out, None)
+        self.stats.forward_seconds += time.perf_counter() - t0
+        self.stats.steps += 1
+        self.stats.decode_tokens += len(batch)
+        self.stats.batch_sizes.append(len(batch))
+        for s in batch:
+            s.kv_len += 1
+        self._sampled(batch, logits, hidden)
+
+    def _sampled(self, seqs: list[Seq], logits: torch.Tensor, hidden: Optional[torch.Tensor] = None) -> None:
+        t0 = time.perf_counter()
+        if logits.device.type == "cpu":
+            toks, tops = sample(logits, [s.params for s in seqs], [s.gen for s in seqs])
+        else:
+            toks, tops = sample_device(logits, [s.params for s in seqs], [s.seed for s in seqs],
+                                       [len(s.generated) for s in seqs])
+        self.stats.sample_seconds += time.perf_counter() - t0
+        for i, (s, tok, top) in enumerate(zip(seqs, toks, tops)):
+            if hidden is not None:
+                s.hidden = hidden[i]
+            self.emit(s, tok, top)
+
+
+class SpeculativeStep(PlainStep):
+    """Draft `spec.draft_len` tokens per sequence and verify them, while at most `max_batch` run."""
+
+    hidden = True
+
+    def __init__(self, runner: Any, stats: EngineStats, emit: Emit, drafter: Any, embed: Any, spec: SpecConfig,
+                 max_batch: int):
+        super().__init__(runner, stats, emit)
+        self.drafter, self.embed, self.spec, self.max_batch = drafter, embed, spec, max_batch
+
+    def decode(self, batch: list[Seq]) -> None:
+        if len(batch) <= self.max_batch:
+            self._speculate(batch)
+        else:
+            super().decode(batch)
+
+    def _draft(self, context: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+        """[n, L] draft tokens after each row's pending token (the best beam with num_beams > 1)."""
+        from server.embedded.redrafter import draft_greedy
+
+        spec = self.spec
+        if spec.num_beams == 1:
+            return draft_greedy(self.drafter, context, first, self.embed, spec.draft_len)
+        rows = [self.drafter.beam_search(context[i], int(first[i]), self.embed, spec.num_beams, spec.draft_len)[0][0]
+                for i in range(context.shape[0])]
+        return torch.stack(rows)
+
+    @torch.inference_mode()
+    def _speculate(self, seqs: list[Seq]) -> None:
+        """Draft L tokens per sequence, verify all rows in one forward, keep each row's accepted run
+        plus the target's next token (speculative.py has the rule)."""
+        spec, dev = self.spec, self.runner.device
+        n, L = len(seqs), spec.draft_len
+        t0 = time.perf_counter()
+        first = torch.tensor([s.pending for s in seqs], dtype=torch.long, device=dev)
+        context, starts = torch.stack([s.hidden for s in seqs]), [s.kv_len for s in seqs]
+        if spec.num_beams == 1:  # drafting and verification in one step (on CUDA one graph replay)
+            drafts, logits, hidden = self.runner.draft_verify(self._draft, context, first, starts, L)
+        else:  # beam search picks beams on the host: not capturable
+            drafts, logits, hidden = self.runner.draft_then_verify(self._draft, context, first, starts)
+        t2 = time.perf_counter()
+        params = [s.params for s in seqs]
+        want = max((p.top_logprobs for p in params), default=0)
+        tops = top_logprobs(logits, want)
+        if dev.type == "cpu":
+            verdicts = accept_host(logits, drafts.tolist(), params, [s.gen for s in seqs])
+            draft_rows = drafts.tolist()
+        else:  # one transfer: drafts, kept counts, next tokens (and top logprobs)
+            keep, nxt = accept_device(logits, drafts, params, [s.seed for s in seqs], [len(s.generated) for s in seqs])
+            packed = torch.cat([drafts, keep.view(n, 1), nxt.view(n, 1)], 1).tolist()
+            draft_rows = [r[:L] for r in packed]
+            verdicts = [(r[L], r[L + 1]) for r in packed]
+        if tops is not None:
+            tops = (tops[0].tolist(), tops[1].tolist())
+        self.stats.forward_seconds += t2 - t0
+        self.stats.sample_seconds += time.perf_counter() - t2
+        self.stats.steps += 1
+        self.stats.spec_steps += 1
+        self.stats.spec_rows += n
+        self.stats.batch_sizes.append(n)
+        self.stats.draft_tokens += n * L
+        for i, (s, (k, nxt_tok)) in enumerate(zip(seqs, verdicts)):
+            s.kv_len += 1 + k  # the pending token and the kept drafts are in the cache now
+            s.hidden = hidden[i, k]
+            s.stream.draft_tokens += L
+            s.stream.accepted_draft_tokens += k
+            self.stats.accepted_draft_tokens += k
+            emitted = draft_rows[i][:k] + [nxt_tok]
+            self.stats.decode_tokens += len(emitted)
+            for j, tok in enumerate(emitted):
+                top = None
+                if tops is not None and s.params.top_logprobs:
+                    m = s.params.top_logprobs
+                    top = tuple(zip(tops[0][i][j][:m], tops[1][i][j][:m]))
+                if self.emit(s, tok, top):
+                    break
+
+
+def prepare_drafter(model: Any, source: Any, spec: SpecConfig, max_batch: int, device: torch.device
+                 ) -> tuple[Any, Any]:
+    """(drafter, token embedding) for speculative decoding on `model`: `source` is a ReDrafter module or
+    its folder; checked against the model, put on the device, and announced on stderr."""
+    from server.embedded.redrafter import ReDrafter, int8_vocab_head, load_drafter as read_drafter
+
+    drafter = source if isinstance(source, ReDrafter) else read_drafter(source)
+    cfg = model.config
+    if drafter.config.hidden_size != cfg.hidden_size or drafter.config.vocab_size != cfg.vocab_size:
+        raise ValueError(f"drafter {source}: hidden_size/vocab_size {drafter.config.hidden_size}/"
+                         f"{drafter.config.vocab_size} do not match the model's {cfg.hidden_size}/{cfg.vocab_size}")
+    # float32 on the CPU (bf16 matmuls are emulated without AVX-512 BF16); the model's dtype on a GPU
+    dtype = torch.float32 if device.type == "cpu" else next(model.parameters()).dtype
+    drafter = drafter.to(device, dtype).eval()
+    if device.type == "cpu":
+        int8_vocab_head(drafter)
+    source_of_limit = "serving.speculative.max_batch" if spec.max_batch else f"the measured default for {device.type}"
+    when = (f"on while at most {max_batch} sequences run" if max_batch
+            else "off: drafting measured slower than plain decoding here; serving.speculative.max_batch turns it on")
+    print(f"[embedded] speculative decoding: ReDrafter, {spec.num_beams} beam(s) x {spec.draft_len} draft tokens, "
+          f"{when} ({source_of_limit})", file=sys.stderr, flush=True)
+    return drafter, model.get_input_embeddings()

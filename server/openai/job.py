@@ -1,0 +1,44 @@
+"""One validated request to the HTTP server, as engine requests: what the parser makes and the rest serves.
+
+Its own module because the parser builds it and generation, streaming and the app read it; it
+knows how one HTTP request fans out into engine requests (a prompt list times n choices).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+from aimo_spec.protocol import Request, SamplingParams
+
+
+@dataclass
+class Job:
+    """One validated request: its prompts (token ids), sampling, and what the response carries."""
+
+    kind: str  # completion | chat
+    model: str
+    prompts: list[list[int]]
+    params: SamplingParams
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: Optional[int] = None  # top entries per token in the response; None: no logprobs
+    return_token_ids: bool = False
+    text_out: bool = True  # trtllm's detokenize: false sends ids only
+    tokens_as_ids: bool = False
+    include_stop: bool = False
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def requests(self) -> list[tuple[int, int, Request]]:
+        """(choice index, prompt index, engine request) for every choice."""
+        out = []
+        for pi, prompt in enumerate(self.prompts):
+            for i in range(self.n):
+                seeded = self.params.seed is not None and i > 0
+                p = replace(self.params, seed=self.params.seed + i) if seeded else self.params
+                out.append((pi * self.n + i, pi, Request(prompt, p, f"{self.kind}-{self.id}-{pi * self.n + i}")))
+        return out
