@@ -119,31 +119,31 @@ ifeq ($(BACKEND),openai)
 # through running OpenAI-compatible server(s): `make serve` elsewhere, trtllm-serve, vLLM, SGLang (URL=, comma-separated)
 solve: $(SETUP)
 	@test -n "$(URL)" || { echo "make solve BACKEND=openai: set URL=http://host:port[/v1][,http://host2:port]"; exit 2; }
-	$(PY) -m server.solve --recipe $(RECIPE) --problems $(PROBLEMS) --backend openai --url $(URL)
+	$(PY) -m server.programs.solve --recipe $(RECIPE) --problems $(PROBLEMS) --backend openai --url $(URL)
 else ifeq ($(BACKEND),triton)
 # through a running Triton server (`make triton` in another shell); tritonclient lives in the Triton env
 solve: $(TRITON_SETUP)
-	PYTHONPATH=$(CURDIR) $(TRITON_PY) -m server.solve --recipe $(RECIPE) --problems $(PROBLEMS) --backend triton \
+	PYTHONPATH=$(CURDIR) $(TRITON_PY) -m server.programs.solve --recipe $(RECIPE) --problems $(PROBLEMS) --backend triton \
 		--triton-url $(TRITON_URL)
 else ifeq ($(BACKEND),trtllm)
 # served from TensorRT-LLM's environment (the executor lives there), under mpirun when tp > 1
 solve: build
-	PYTHONPATH=$(CURDIR) $(TRTLLM_PY) -m server.trtllm.launch --recipe $(RECIPE) -- \
-		$(TRTLLM_PY) -m server.solve --recipe $(RECIPE) --problems $(PROBLEMS) --backend trtllm
+	PYTHONPATH=$(CURDIR) $(TRTLLM_PY) -m server.programs.trtllm_launch --recipe $(RECIPE) -- \
+		$(TRTLLM_PY) -m server.programs.solve --recipe $(RECIPE) --problems $(PROBLEMS) --backend trtllm
 else
 solve: build
-	$(PY) -m server.solve --recipe $(RECIPE) --problems $(PROBLEMS) --backend $(BACKEND)
+	$(PY) -m server.programs.solve --recipe $(RECIPE) --problems $(PROBLEMS) --backend $(BACKEND)
 endif
 
 ifeq ($(BACKEND),trtllm)
 # tensorrtllm_backend model repository for the TensorRT-LLM engine, then tritonserver (mpirun for tp > 1)
 triton: build
-	$(PY) -m server.triton.deploy --recipe $(RECIPE) --out $(OUT)/triton --grpc-port $(TRITON_GRPC_PORT) \
+	$(PY) -m server.programs.triton_deploy --recipe $(RECIPE) --out $(OUT)/triton --grpc-port $(TRITON_GRPC_PORT) \
 		--http-port $(TRITON_HTTP_PORT) --metrics-port $(TRITON_METRICS_PORT) --launch
 else
 # the embedded engine behind a real Triton server (foreground; Ctrl-C stops it)
 triton: build $(TRITON_SETUP)
-	PYTHONPATH=$(CURDIR) $(TRITON_PY) -m server.triton.embedded_server --engine $(OUT)/build/embedded --recipe $(RECIPE) \
+	PYTHONPATH=$(CURDIR) $(TRITON_PY) -m server.programs.triton_embedded --engine $(OUT)/build/embedded --recipe $(RECIPE) \
 		--grpc-port $(TRITON_GRPC_PORT) --http-port $(TRITON_HTTP_PORT) --metrics-port $(TRITON_METRICS_PORT)
 endif
 
@@ -152,19 +152,19 @@ endif
 # running Triton server (TRITON_URL) from the Triton env; BACKEND=openai fans out over other servers (URL=).
 ifeq ($(BACKEND),trtllm)
 serve: build
-	PYTHONPATH=$(CURDIR) $(TRTLLM_PY) -m server.trtllm.launch --recipe $(RECIPE) -- \
-		$(TRTLLM_PY) -m server.openai.serve --recipe $(RECIPE) --backend trtllm --host $(HOST) --port $(PORT) $(SERVE_ARGS)
+	PYTHONPATH=$(CURDIR) $(TRTLLM_PY) -m server.programs.trtllm_launch --recipe $(RECIPE) -- \
+		$(TRTLLM_PY) -m server.programs.serve --recipe $(RECIPE) --backend trtllm --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 else ifeq ($(BACKEND),triton)
 serve: $(TRITON_SETUP)
-	PYTHONPATH=$(CURDIR) $(TRITON_PY) -m server.openai.serve --recipe $(RECIPE) --backend triton --triton-url $(TRITON_URL) \
+	PYTHONPATH=$(CURDIR) $(TRITON_PY) -m server.programs.serve --recipe $(RECIPE) --backend triton --triton-url $(TRITON_URL) \
 		--host $(HOST) --port $(PORT) $(SERVE_ARGS)
 else ifeq ($(BACKEND),openai)
 serve: $(SETUP)
 	@test -n "$(URL)" || { echo "make serve BACKEND=openai: set URL=http://host:port[,http://host2:port]"; exit 2; }
-	$(PY) -m server.openai.serve --recipe $(RECIPE) --backend openai --url $(URL) --host $(HOST) --port $(PORT) $(SERVE_ARGS)
+	$(PY) -m server.programs.serve --recipe $(RECIPE) --backend openai --url $(URL) --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 else
 serve: build
-	$(PY) -m server.openai.serve --recipe $(RECIPE) --backend $(BACKEND) --host $(HOST) --port $(PORT) $(SERVE_ARGS)
+	$(PY) -m server.programs.serve --recipe $(RECIPE) --backend $(BACKEND) --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 endif
 
 # k samples per problem for several variants side by side (maj@k, pass@k exact), report + plots; then
@@ -176,10 +176,10 @@ VARIANTS ?=
 # TOOL_SETTINGS=before=stateless/200/5,after=stateful/1000/10: each variant under each tool setting, side by side
 TOOL_SETTINGS ?=
 eval: build
-	$(PY) -m server.evaluate --recipe $(RECIPE) --data $(DATA) --k $(K) --max-tokens $(MAX_TOKENS) --seconds 90 \
+	$(PY) -m server.programs.evaluate --recipe $(RECIPE) --data $(DATA) --k $(K) --max-tokens $(MAX_TOKENS) --seconds 90 \
 		--variants "$(VARIANTS)" --out runs/$(MODEL)/eval $(if $(URL),--url $(URL)) \
 		$(if $(TOOL_SETTINGS),--tool-settings "$(TOOL_SETTINGS)")
-	$(PY) -m server.replay --eval runs/$(MODEL)/eval/eval.json --out runs/$(MODEL)/eval/replay.json
+	$(PY) -m server.programs.replay --eval runs/$(MODEL)/eval/eval.json --out runs/$(MODEL)/eval/replay.json
 
 # the Kaggle dataset folder (wheels, engine, problems, notebook); KAGGLE_WHEELS=project ships only our wheel.
 # BACKEND=trtllm: the TensorRT-LLM engine plus a TensorRT-LLM 1.2.x wheel set you provide (TRTLLM_WHEELS=dir);
@@ -196,7 +196,7 @@ kaggle-python:
 
 ifeq ($(BACKEND),trtllm)
 kaggle: kaggle-python kaggle-trtllm-wheels build
-	$(PY) -m server.kaggle.package --recipe $(RECIPE) --out $(OUT)/kaggle --backend trtllm \
+	$(PY) -m server.programs.kaggle_package --recipe $(RECIPE) --out $(OUT)/kaggle --backend trtllm \
 		--trtllm-wheels "$(TRTLLM_WHEELS)" --problems $(PROBLEMS) --dataset-name $(DATASET) --python-version $(KAGGLE_PYTHON)
 	@echo "== $(OUT)/kaggle: upload it as a dataset; its notebook runs on a Kaggle GPU (TensorRT-LLM cannot run here)"
 
@@ -204,9 +204,9 @@ kaggle-trtllm-wheels:
 	@test -n "$(TRTLLM_WHEELS)" && test -d "$(TRTLLM_WHEELS)" || { echo "make kaggle BACKEND=trtllm: set TRTLLM_WHEELS to a folder with the tensorrt_llm-1.2.x wheel and its dependencies' wheels (pip download tensorrt-llm==1.2.1 -d DIR where NVIDIA's index is reachable); got '$(TRTLLM_WHEELS)'"; exit 2; }
 else
 kaggle: kaggle-python build
-	$(PY) -m server.kaggle.package --recipe $(RECIPE) --out $(OUT)/kaggle --wheels $(KAGGLE_WHEELS) --problems $(PROBLEMS) \
+	$(PY) -m server.programs.kaggle_package --recipe $(RECIPE) --out $(OUT)/kaggle --wheels $(KAGGLE_WHEELS) --problems $(PROBLEMS) \
 		--dataset-name $(DATASET) --python-version $(KAGGLE_PYTHON)
-	$(PY) -m server.kaggle.execute --dataset $(OUT)/kaggle --out $(OUT)/kaggle-run
+	$(PY) -m server.programs.kaggle_execute --dataset $(OUT)/kaggle --out $(OUT)/kaggle-run
 endif
 
 doctor: $(SETUP)

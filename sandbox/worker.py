@@ -94,7 +94,7 @@ class Worker:
         self._scratch: str | None = None
         self._init_fd: int | None = None
         self.cgroup: CellGroup | None = CellGroup.create() if mechanism == "namespaces" else None
-        self._oom_seen = self._task_hits_seen = 0
+        self._seen: dict[str, int] = {}  # cgroup counter -> its value at the last new_* call
         isolated = mechanism == "namespaces"
         if isolated:
             workdir = "/tmp/cell"
@@ -213,21 +213,22 @@ class Worker:
             return not ready
         return True
 
-    def new_oom_kills(self) -> int:
-        """Processes the cgroup's OOM killer ended since the last call (0 without a cgroup)."""
+    def _growth(self, counter: str) -> int:
+        """How much the cgroup's `counter` (the name of its reading method) grew since the last call for
+        it (0 without a cgroup)."""
         if self.cgroup is None:
             return 0
-        n = self.cgroup.oom_kills()
-        new, self._oom_seen = n - self._oom_seen, n
+        n = getattr(self.cgroup, counter)()
+        new, self._seen[counter] = n - self._seen.get(counter, 0), n
         return new
+
+    def new_oom_kills(self) -> int:
+        """Processes the cgroup's OOM killer ended since the last call (0 without a cgroup)."""
+        return self._growth("oom_kills")
 
     def new_task_limit_hits(self) -> int:
         """Forks and thread starts the task limit refused since the last call (0 without a pids cgroup)."""
-        if self.cgroup is None:
-            return 0
-        n = self.cgroup.task_limit_hits()
-        new, self._task_hits_seen = n - self._task_hits_seen, n
-        return new
+        return self._growth("task_limit_hits")
 
     def kill(self) -> None:
         """Kill the worker and everything it started; returns once all of it is gone."""

@@ -1,7 +1,5 @@
 """Replay a competition run from recorded samples: compare time-budget policies and early-stop rules
-without generating again.
-
-    python -m server.replay --eval runs/mix/eval/eval.json --variant int8_wo --runs 200
+without generating again (the program: server/programs/replay.py).
 
 For each policy (the recipe's budget kinds: aimo2 shared buffer, aimo3 remaining-time rule, fixed) and
 each early-stop rule, `--runs` simulated runs shuffle the problems; a problem's samples all start
@@ -15,13 +13,9 @@ first, per vote, the accuracy of voting over all recorded samples (which vote wi
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
 import statistics
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Optional
 
 from server.budget import TimeBudget
@@ -123,68 +117,3 @@ def replay(problems: list[dict[str, Any]], spec: Any, rule: Rule, runs: int, see
     return {"rule": rule.name, "vote": method, "expected_score": round(statistics.mean(scores), 3),
             "score_stdev": round(statistics.pstdev(scores), 3), "min_score": min(scores), "max_score": max(scores),
             "mean_time_left": round(statistics.mean(lefts), 1), "runs": runs}
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m server.replay", description=__doc__.splitlines()[0])
-    ap.add_argument("--eval", required=True, type=Path, help="eval.json from `make eval`")
-    ap.add_argument("--variant", default=None, help="default: the variant the recipe serves (build.quantization)")
-    ap.add_argument("--recipe", default=None, help="budget defaults from this recipe (default: the eval's)")
-    ap.add_argument("--rules", default="4of5+10,3of4+8,all")
-    ap.add_argument("--policies", default="aimo2,aimo3,fixed")
-    ap.add_argument("--votes", default=",".join(VOTES), help="votes to compare (majority, entropy, local_entropy)")
-    ap.add_argument("--seconds-per-problem", type=float, default=None,
-                    help="scale the run's total time: problems x this (default: the recipe's base_seconds)")
-    ap.add_argument("--runs", type=int, default=200)
-    ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args(argv)
-    import dataclasses
-
-    from aimo_spec.recipe import load_recipe
-
-    data = json.loads(args.eval.read_text())
-    recipe = load_recipe(args.recipe or data["recipe"], check_paths=False)
-    served = recipe.build.quantization if recipe.build.quantization != "bf16" else "merged"
-    variant = args.variant or (served if served in data["variants"] else next(
-        (v for v in data["variants"] if v.startswith(served + "@")), next(iter(data["variants"]))))
-    if variant not in data["variants"]:
-        print(f"replay: --variant {variant!r} is not in {args.eval} (has: {', '.join(data['variants'])})", file=sys.stderr)
-        return 2
-    votes = [v for v in args.votes.split(",") if v]
-    bad = [v for v in votes if v not in VOTES]
-    if bad:
-        print(f"replay: --votes: {bad} unknown (known: {', '.join(VOTES)})", file=sys.stderr)
-        return 2
-    problems = [r for r in data["variants"][variant]["results"] if r["truth"] is not None]
-    cap = recipe.serving.solver.weight_cap
-    accuracy = [vote_accuracy(problems, v, cap) for v in votes]
-    base = recipe.serving.budget
-    rows = []
-    for policy in args.policies.split(","):
-        spec = dataclasses.replace(base, policy=policy)
-        if args.seconds_per_problem:
-            spec = dataclasses.replace(spec, base_seconds=args.seconds_per_problem,
-                                       total_seconds=args.seconds_per_problem * len(problems),
-                                       low_seconds=min(spec.low_seconds, args.seconds_per_problem),
-                                       high_seconds=max(spec.high_seconds, args.seconds_per_problem))
-        for rule in args.rules.split(","):
-            for v in votes:
-                r = replay(problems, spec, parse_rule(rule), args.runs, method=v, cap=cap)
-                rows.append({"policy": policy, **r})
-    print(f"Replay of {variant} ({len(problems)} problems, {args.runs} shuffled runs each) from {args.eval}")
-    print(f"Votes over all recorded samples (weight cap {cap}):")
-    print(f"{'vote':<14} {'correct':>8} {'accuracy':>9} {'differs from majority':>22} {'samples with logprobs':>22}")
-    for a in accuracy:
-        print(f"{a['vote']:<14} {a['correct']:>4}/{a['problems']:<3} {a['accuracy']:>9} {a['differs_from_majority']:>22} "
-              f"{a['samples_with_logprobs']:>22}")
-    print(f"{'policy':<7} {'rule':<9} {'vote':<14} {'expected score':>14} {'stdev':>6} {'min':>4} {'max':>4} {'time left s':>11}")
-    for r in rows:
-        print(f"{r['policy']:<7} {r['rule']:<9} {r['vote']:<14} {r['expected_score']:>14} {r['score_stdev']:>6} "
-              f"{r['min_score']:>4} {r['max_score']:>4} {r['mean_time_left']:>11}")
-    if args.out:
-        args.out.write_text(json.dumps({"variant": variant, "votes": accuracy, "rows": rows}, indent=2))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -15,26 +15,11 @@ import time
 from pathlib import Path
 from typing import Optional
 
-import pytest
+from hang_guard import fail_after
 
 ROOT = Path(__file__).resolve().parents[1]
 TEST_SECONDS = 120
-
-
-@pytest.fixture(autouse=True)
-def hang_guard():
-    import faulthandler
-
-    def expire(signum, frame):
-        faulthandler.dump_traceback(all_threads=True)
-        raise TimeoutError(f"test exceeded {TEST_SECONDS}s")
-    old = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(TEST_SECONDS)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
+hang_guard = fail_after(TEST_SECONDS)
 
 
 def wait_for(cond, timeout: float = 30.0) -> bool:
@@ -54,7 +39,7 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """`python -m server.openai.serve --engine <dir>` on 127.0.0.1 and an ephemeral port."""
+    """`python -m server.programs.serve --engine <dir>` on 127.0.0.1 and an ephemeral port."""
 
     def __init__(self, engine_dir: Path, log: Path, *extra: str):
         self.engine_dir, self.log, self.extra = engine_dir, log, extra
@@ -71,7 +56,7 @@ class ServerProcess:
 
     def start(self) -> "ServerProcess":
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "server.openai.serve", "--engine", str(self.engine_dir), "--port", str(self.port),
+            [sys.executable, "-m", "server.programs.serve", "--engine", str(self.engine_dir), "--port", str(self.port),
              "--threads", "1", "--max-batch-size", "8", "--max-seq-len", "384", "--model-name", "tiny", *self.extra],
             stdout=self.log.open("a"), stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
             env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})

@@ -13,6 +13,7 @@ from server.answers import last_boxed, normalize
 from server.embedded.engine import EmbeddedEngine
 from aimo_spec.protocol import Final, Request, SamplingParams, collect
 from server.textstream import StopMatcher
+from streams import cancel_after
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 
@@ -106,17 +107,8 @@ def test_stop_string_spanning_tokens(engine, hf):
 
 def test_cancel_mid_stream_frees_the_slot(engine, hf):
     text = prompts(hf[1], 1)[0]
-
-    async def go():
-        req = Request(text, SamplingParams(temperature=1.0, max_tokens=200, seed=3, stop_token_ids=()))
-        got = []
-        async for ev in engine.generate(req):
-            got.append(ev)
-            if len(got) == 3:
-                engine.cancel(req.request_id)
-        return got
-
-    events = asyncio.run(go())
+    req = Request(text, SamplingParams(temperature=1.0, max_tokens=200, seed=3, stop_token_ids=()))
+    events = asyncio.run(cancel_after(engine, req, 3))
     final = events[-1]
     assert isinstance(final, Final) and sum(isinstance(e, Final) for e in events) == 1
     assert final.finish_reason in ("cancelled", "stop") and len(final.token_ids) < 200

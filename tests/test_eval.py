@@ -88,7 +88,7 @@ def test_replay_rules_budget_and_scores():
 
 
 def test_replay_cli_on_a_recorded_eval(tmp_path, capsys):
-    from server.replay import main
+    from server.programs.replay import main
     from small_recipes import write_recipe
 
     recipe = write_recipe(tmp_path, "rp", {"cot": {"kind": "hf", "path": "a"}, "tir": {"kind": "hf", "path": "b"}})

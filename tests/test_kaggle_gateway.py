@@ -80,19 +80,24 @@ def test_the_double_calls_predict_with_one_series_per_column_and_writes_submissi
     assert sorted(sub.rows()) == [(1, 3), (2, 3), (3, 5)]
 
 
-@pytest.mark.parametrize("bad,kind", [
-    (lambda *row: pl.DataFrame({"id": [str(row[0][0])], "answer": [1]}), "INVALID_SUBMISSION"),  # str(id)
-    (lambda *row: pl.DataFrame({"id": row[0], "answer": [10 ** 30]}), "SERVER_RAISED_EXCEPTION"),  # Int128
-    (lambda *row: None, "INVALID_SUBMISSION"),
-    (lambda *row: pl.DataFrame({"answer": [1]}), "INVALID_SUBMISSION"),
+@pytest.mark.parametrize("competition,bad,kind", [
+    ("aimo2", lambda *row: pl.DataFrame({"id": [str(row[0][0])], "answer": [1]}), "INVALID_SUBMISSION"),  # str(id)
+    ("aimo2", lambda *row: pl.DataFrame({"id": row[0], "answer": [10 ** 30]}), "SERVER_RAISED_EXCEPTION"),  # Int128
+    ("aimo2", lambda *row: None, "INVALID_SUBMISSION"),
+    ("aimo2", lambda *row: pl.DataFrame({"answer": [1]}), "INVALID_SUBMISSION"),
+    ("aimo3", lambda *row: None, "INVALID_SUBMISSION"),
+    ("aimo3", lambda *row: pl.DataFrame({"id": [1, 2], "answer": [1, 2]}), "INVALID_SUBMISSION"),  # two rows for one
+    ("aimo3", lambda *row: pl.DataFrame({"id": row[0], "answer": [10 ** 30]}), "SERVER_RAISED_EXCEPTION"),  # Int128
+    ("aimo3", lambda *row: 7, "GATEWAY_RAISED_EXCEPTION"),  # a bare int passes validation but not write_submission
 ])
-def test_the_double_rejects_what_the_real_gateway_rejects(double, tmp_path, bad, kind):
-    def predict(*row):
-        return bad(*row)
+def test_each_double_rejects_what_its_real_gateway_rejects(double, tmp_path, competition, bad, kind):
+    """aimo2: what the real gateway rejects; aimo3: what its core rejects."""
     from kaggle_evaluation._double import GatewayRuntimeError
 
+    def predict(*row):
+        return bad(*row)
     with pytest.raises(GatewayRuntimeError) as e:
-        double["aimo2"](predict).run_local_gateway((str(problems_csv(tmp_path)),))
+        double[competition](predict).run_local_gateway((str(problems_csv(tmp_path)),))
     assert e.value.kind.name == kind
 
 
@@ -167,22 +172,6 @@ def test_the_aimo3_double_overwrites_the_ids_instead_of_comparing_them(double, t
         return pl.DataFrame({"answer": [0]})
     double["aimo3"](predict).run_local_gateway((str(problems_csv(tmp_path)),))
     assert sorted(pl.read_parquet(tmp_path / "submission.parquet")["id"].to_list()) == [1, 2, 3]
-
-
-@pytest.mark.parametrize("bad,kind", [
-    (lambda *row: None, "INVALID_SUBMISSION"),
-    (lambda *row: pl.DataFrame({"id": [1, 2], "answer": [1, 2]}), "INVALID_SUBMISSION"),  # two rows for one
-    (lambda *row: pl.DataFrame({"id": row[0], "answer": [10 ** 30]}), "SERVER_RAISED_EXCEPTION"),  # Int128
-    (lambda *row: 7, "GATEWAY_RAISED_EXCEPTION"),  # a bare int passes validation but not write_submission
-])
-def test_the_aimo3_double_rejects_what_its_core_rejects(double, tmp_path, bad, kind):
-    from kaggle_evaluation._double import GatewayRuntimeError
-
-    def predict(*row):
-        return bad(*row)
-    with pytest.raises(GatewayRuntimeError) as e:
-        double["aimo3"](predict).run_local_gateway((str(problems_csv(tmp_path)),))
-    assert e.value.kind.name == kind
 
 
 def test_the_aimo3_double_takes_the_first_free_port_of_its_fallbacks(double, tmp_path, monkeypatch):

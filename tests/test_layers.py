@@ -5,8 +5,9 @@ Floors, bottom up: `aimo_spec` (recipe schema, layout, chat format, engine proto
 the pipeline); the build pipeline `trtbuild` (may use everything: its quality gates and the drafter
 run the real runtime).
 Inside the runtime: the request nouns and stream, then the backend drivers, then the TIR client and
-solver, then the surfaces (CLIs, evaluation, Kaggle, Triton deployment, benchmarks). Imports inside
-functions count too.
+solver, then the surfaces (evaluation, Kaggle, Triton deployment). Imports inside functions count too.
+Programs (what `python -m` runs) are the top floor and live in their packages' programs places only:
+no other module has an `if __name__ == "__main__"` block, and no library module imports a program.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ ALLOWED = {  # package -> what its modules may import from the project
     "server": ("server", "sandbox", "aimo_spec"),
     "trtbuild": PROJECT,
 }
+PROGRAM_PLACES = ("server.programs", "server.bench", "trtbuild.programs", "trtbuild.__main__", "sandbox._worker")
 RUNTIME_FLOORS = (  # inside server/: module prefixes per floor, bottom up; anything else is a surface
     ("server.textstream", "server.stream", "server.answers", "server.answer_latex", "server.budget"),
     ("server.embedded.", "server.trtllm.engine", "server.triton.engine", "server.triton.interface", "server.openai.engine",
@@ -58,6 +60,21 @@ def sources() -> list[Path]:
     return sorted(p for pkg in PROJECT for p in (ROOT / pkg).rglob("*.py"))
 
 
+def is_program(module: str) -> bool:
+    return any(_within(module, place) for place in PROGRAM_PLACES)
+
+
+def has_main_block(source: str) -> bool:
+    """Whether the source has an `if __name__ == "__main__":` block (either operand order)."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Compare) and len(node.test.comparators) == 1:
+            operands = [node.test.left, node.test.comparators[0]]
+            if (any(isinstance(o, ast.Name) and o.id == "__name__" for o in operands)
+                    and any(isinstance(o, ast.Constant) and o.value == "__main__" for o in operands)):
+                return True
+    return False
+
+
 def floor(module: str) -> int:
     for i, prefixes in enumerate(RUNTIME_FLOORS):
         if any(module == p or module.startswith(p if p.endswith(".") else p + ".") for p in prefixes):
@@ -87,9 +104,25 @@ def test_no_import_runs_up_a_floor(path):
     assert not bad, f"{path.relative_to(ROOT)} imports up a floor: " + "; ".join(bad)
 
 
+@pytest.mark.parametrize("path", sources(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_programs_live_in_the_programs_places(path):
+    module = module_name(path)
+    if is_program(module):
+        return
+    assert not has_main_block(path.read_text()), (
+        f"{path.relative_to(ROOT)} has an `if __name__ == \"__main__\"` block: a program belongs in one of "
+        f"{', '.join(PROGRAM_PLACES)} (its library part stays where it is)")
+    imported = sorted(n for n in project_imports(path) if is_program(n))
+    assert not imported, f"{path.relative_to(ROOT)} is library but imports programs: {', '.join(imported)}"
+
+
 def test_the_rules_bite():
-    """The check itself: the imports the old layout had are caught."""
+    """The checks themselves: the imports the old layout had are caught, and so are programs out of place."""
     assert _package("server.textstream") == "server" and not any(_within("trtbuild.tir_data", a) for a in ALLOWED["server"])
-    assert floor("server.stream") < floor("server.tir") < floor("server.solve")
+    assert floor("server.stream") < floor("server.tir") < floor("server.programs.solve")
     assert _package("aimo_spec.chat") == "aimo_spec" and _package("trtbuild.quality") == "trtbuild"
     assert not any(_within(m, a) for m in ("server.stream", "trtbuild.build", "sandbox.pool") for a in ALLOWED["aimo_spec"])
+    assert is_program("server.programs.solve") and is_program("trtbuild.__main__") and is_program("server.bench.gpu")
+    assert not is_program("server.solver") and not is_program("trtbuild.programs_list")
+    assert has_main_block('import sys\nif "__main__" == __name__:\n    sys.exit(0)\n')
+    assert not has_main_block('RUNNER = """\nexec(code, {"__name__": "__main__"})\n"""\n')

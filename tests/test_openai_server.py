@@ -6,9 +6,11 @@ the prompt limit, 503 while loading, SIGTERM drain."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import threading
 import time
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -215,11 +217,28 @@ class GatedEngine:
             await events.aclose()
 
 
+@contextlib.contextmanager
+def in_thread(app: Any, before_stop: Callable[[], Any] = lambda: None) -> Iterator[tuple[str, Any, threading.Thread]]:
+    """`app` under a real uvicorn on loopback, in a thread of this process: (its base URL, the uvicorn
+    server, the thread). On the way out `before_stop` runs (to release what the app waits on), then
+    the server stops and the thread is joined."""
+    import uvicorn
+
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{port}", srv, thread
+    finally:
+        before_stop()
+        srv.should_exit = True
+        thread.join(30)
+
+
 @pytest.fixture()
 def gated_server(tiny_models):
     """`make serve`'s app in this process (real uvicorn on loopback) over a GatedEngine."""
-    import uvicorn
-
     from server.embedded.engine import EmbeddedEngine
     from server.openai.app import create_app
 
@@ -229,18 +248,10 @@ def gated_server(tiny_models):
         box["engine"] = GatedEngine(EmbeddedEngine.from_dir(tiny_models["llama-tir"], max_batch_size=4,
                                                             max_seq_len=384, threads=1))
         return box["engine"]
-    port = free_port()
     app = create_app(load, "tiny")
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    try:
+    with in_thread(app, before_stop=lambda: box["engine"].released.set()) as (base, srv, _):
         assert wait_for(lambda: srv.started and app.state.serving.api is not None, 60)
-        yield f"http://127.0.0.1:{port}", box["engine"], app.state.serving.api
-    finally:
-        box["engine"].released.set()
-        srv.should_exit = True
-        thread.join(30)
+        yield base, box["engine"], app.state.serving.api
 
 
 def test_a_client_that_disconnects_cancels_its_engine_request(gated_server):
@@ -256,7 +267,7 @@ def test_a_client_that_disconnects_cancels_its_engine_request(gated_server):
         got += 1
         if got == 3:
             break
-    assert len(engine.held) == 1
+    assert wait_for(lambda: len(engine.held) == 1)  # the server pulls the 4th event after sending the 3rd
     stream.close()
     assert wait_for(lambda: api.finished.get("cancelled", 0) == 1 and api.running == 0)
     assert wait_for(lambda: engine.cancelled == engine.held)
@@ -279,7 +290,6 @@ def test_a_client_that_disconnects_cancels_its_engine_request(gated_server):
 def test_503_while_loading_then_ready(tiny_models):
     """In process: the engine's load waits on an event, so the loading state can be seen and ended."""
     import httpx2
-    import uvicorn
 
     from server.embedded.engine import EmbeddedEngine
     from server.openai.app import create_app
@@ -289,13 +299,8 @@ def test_503_while_loading_then_ready(tiny_models):
     def load():
         assert gate.wait(60)
         return EmbeddedEngine.from_dir(tiny_models["llama-tir"], max_batch_size=2, max_seq_len=128, threads=1)
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(create_app(load, "tiny"), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    try:
+    with in_thread(create_app(load, "tiny"), before_stop=gate.set) as (base, srv, thread):
         assert wait_for(lambda: srv.started)
-        base = f"http://127.0.0.1:{port}"
         health = httpx2.get(base + "/health", timeout=5)
         assert health.status_code == 503 and health.json()["status"] == "loading"
         c = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
@@ -305,33 +310,21 @@ def test_503_while_loading_then_ready(tiny_models):
         gate.set()
         assert wait_for(lambda: httpx2.get(base + "/health", timeout=5).status_code == 200, 60)
         assert c.completions.create(model="tiny", prompt="hi", max_tokens=2).usage.completion_tokens >= 1
-    finally:
-        gate.set()
-        srv.should_exit = True
-        thread.join(30)
     assert not thread.is_alive()
 
 
 def test_an_engine_that_fails_to_load_says_why(tiny_models, tmp_path):
     import httpx2
-    import uvicorn
 
     from server.openai.app import create_app
 
     def load():
         raise FileNotFoundError("no weights here")
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(create_app(load, "tiny"), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    try:
+    with in_thread(create_app(load, "tiny")) as (base, srv, _):
         assert wait_for(lambda: srv.started)
-        assert wait_for(lambda: httpx2.get(f"http://127.0.0.1:{port}/health", timeout=5).json()["status"] == "failed")
-        r = httpx2.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "x"}, timeout=5)
+        assert wait_for(lambda: httpx2.get(f"{base}/health", timeout=5).json()["status"] == "failed")
+        r = httpx2.post(f"{base}/v1/completions", json={"prompt": "x"}, timeout=5)
         assert r.status_code == 503 and "no weights here" in r.json()["error"]["message"]
-    finally:
-        srv.should_exit = True
-        thread.join(30)
 
 
 def test_sigterm_drains_running_requests_then_exits_cleanly(server, client, local):

@@ -245,7 +245,7 @@ def test_stage_table_matches_the_layout(qwen_build):
 
 
 def test_solve_end_to_end_on_the_built_engine(qwen_build, tmp_path, capsys):
-    """`python -m server.solve` on the pipeline's int8 engine, with the real sandbox.
+    """`python -m server.programs.solve` on the pipeline's int8 engine, with the real sandbox.
 
     A random model writes no python, so the code tags are taken from its own greedy reply: the
     TIR loop then really intercepts a "code block", runs it in the sandbox (a syntax error) and feeds
@@ -258,7 +258,7 @@ def test_solve_end_to_end_on_the_built_engine(qwen_build, tmp_path, capsys):
 
     from server.embedded.engine import EmbeddedEngine
     from aimo_spec.protocol import Final, Request, SamplingParams
-    from server.solve import main as solve_main
+    from server.programs.solve import main as solve_main
 
     eng = EmbeddedEngine.from_dir(qwen_build.out_dir / "build" / "embedded")
 
@@ -293,7 +293,7 @@ def test_solve_end_to_end_on_the_built_engine(qwen_build, tmp_path, capsys):
 
 
 def test_solve_reports_bad_problem_files(qwen_build, tmp_path, capsys):
-    from server.solve import main as solve_main
+    from server.programs.solve import main as solve_main
 
     bad = tmp_path / "bad.csv"
     bad.write_text("id,question\n1,hi\n")

@@ -17,6 +17,7 @@ from server.solver import SolveResult
 from server.tir import SampleTrace
 from aimo_spec import atomic
 from aimo_spec.recipe import BudgetSpec
+from refusals import assert_refused
 
 
 def test_a_bom_and_a_1mb_field_are_read(tmp_path):
@@ -34,10 +35,7 @@ def test_a_bom_and_a_1mb_field_are_read(tmp_path):
     (b"id,problem\na,x\nb,\n", "line 3: empty id or problem"),
 ])
 def test_bad_csvs_name_the_file_and_line(tmp_path, content, words):
-    f = tmp_path / "p.csv"
-    f.write_bytes(content)
-    with pytest.raises(ValueError, match=words):
-        read_problems(f)
+    assert_refused(tmp_path / "p.csv", content, read_problems, ValueError, words)
 
 
 @pytest.mark.parametrize("content,lines", [
@@ -110,7 +108,7 @@ def test_ctrl_c_keeps_the_problems_already_solved(tmp_path, exc):
 
 
 def test_results_are_written_after_every_problem_and_a_full_disk_keeps_the_last_good_file(tmp_path, monkeypatch):
-    from server.solve import ResultsWriter
+    from server.programs.solve import ResultsWriter
 
     logs = []
     writer = ResultsWriter(tmp_path / "results.json", logs.append)

@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from aimo_spec.recipe import RecipeError, load_recipe, parse_recipe
+from refusals import assert_refused
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -105,10 +106,7 @@ def test_yaml_syntax_error_names_line(tmp_path):
     (b"- a\n- b\n", "a recipe is a mapping of sections"),
 ])
 def test_empty_or_undecodable_recipes_say_so(tmp_path, content, words):
-    p = tmp_path / "r.yaml"
-    p.write_bytes(content)
-    with pytest.raises(RecipeError, match=words):
-        load_recipe(p)
+    assert_refused(tmp_path / "r.yaml", content, load_recipe, RecipeError, words)
 
 
 def test_kaggle_section_defaults_per_competition(tmp_path):

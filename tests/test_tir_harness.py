@@ -33,6 +33,20 @@ def client(engine, pool, tags=QWEN, **kw) -> TIRClient:
     return TIRClient(engine, pool, tags, **kw)
 
 
+def run_cancelled_after(tir: TIRClient, engine, seconds: float):
+    """One sample of `tir` on the prompt "p", cancelled `seconds` after its start: (its trace, how long it
+    took to end after the cancel)."""
+    async def go():
+        ev = asyncio.Event()
+        task = asyncio.ensure_future(tir.run(engine.tokenize("p"), 0, 1, cancelled=ev))
+        await asyncio.sleep(seconds)
+        ev.set()
+        t0 = time.monotonic()
+        trace = await task
+        return trace, time.monotonic() - t0
+    return run(go())
+
+
 def two_turn_script(first_chunks, answer_for_output):
     """Turn 1 streams `first_chunks`; a later turn answers from the output block it sees."""
     def script(prompt, request):
@@ -182,32 +196,13 @@ def test_deadline_cuts_a_sample_and_its_boxed_answer_counts(pool):
 
 def test_cancel_during_tool_call_returns_promptly(pool):
     eng = ScriptedEngine(two_turn_script(["```python\nimport time; time.sleep(2)\n```\n"], lambda out: ["x"]))
-
-    async def go():
-        ev = asyncio.Event()
-        task = asyncio.ensure_future(client(eng, pool).run(eng.tokenize("p"), 0, 1, cancelled=ev))
-        await asyncio.sleep(0.3)
-        ev.set()
-        t0 = time.monotonic()
-        trace = await task
-        return trace, time.monotonic() - t0
-
-    trace, waited = run(go())
+    trace, waited = run_cancelled_after(client(eng, pool), eng, 0.3)
     assert trace.finish == "cancelled" and waited < 0.5
 
 
 def test_cancel_while_generating_gives_one_final(pool):
     eng = ScriptedEngine(lambda p, r: ["a"] * 10_000, step_seconds=0.001)
-
-    async def go():
-        ev = asyncio.Event()
-        task = asyncio.ensure_future(client(eng, pool, sampling=SamplingParams(max_tokens=20_000)).run(
-            eng.tokenize("p"), 0, 1, cancelled=ev))
-        await asyncio.sleep(0.05)
-        ev.set()
-        return await task
-
-    t = run(go())
+    t, _ = run_cancelled_after(client(eng, pool, sampling=SamplingParams(max_tokens=20_000)), eng, 0.05)
     assert t.finish == "cancelled" and 0 < t.tokens < 10_000
     assert [f.finish_reason for f in eng.finals] == ["cancelled"]
 
@@ -221,15 +216,7 @@ def test_entropy_is_collected_from_top_logprobs(pool):
 def test_a_session_started_for_a_cancelled_sample_is_closed(pool):
     # the session starts in a thread (~1 s); a sample cancelled meanwhile must not leak it
     eng = ScriptedEngine(two_turn_script(["```python\nprint(1)\n```\n"], lambda out: ["x"]))
-
-    async def go():
-        ev = asyncio.Event()
-        task = asyncio.ensure_future(client(eng, pool).run(eng.tokenize("p"), 0, 1, cancelled=ev))
-        await asyncio.sleep(0.05)
-        ev.set()
-        return await task
-
-    t = run(go())
+    t, _ = run_cancelled_after(client(eng, pool), eng, 0.05)
     assert t.finish == "cancelled"
     deadline = time.monotonic() + 10
     while pool._sessions and time.monotonic() < deadline:

@@ -22,25 +22,12 @@ pytest.importorskip("tritonclient.grpc")
 pytest.importorskip("pytriton")
 
 from aimo_spec.protocol import Final, Request, SamplingParams, collect  # noqa: E402
+from hang_guard import fail_after  # noqa: E402
+from streams import cancel_after  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TEST_SECONDS = 240  # no test here may hang CI: past this, stacks are dumped and the test fails
-
-
-@pytest.fixture(autouse=True)
-def hang_guard():
-    import faulthandler
-
-    def expire(signum, frame):
-        faulthandler.dump_traceback(all_threads=True)
-        raise TimeoutError(f"test exceeded {TEST_SECONDS}s")
-    old = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(TEST_SECONDS)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
+hang_guard = fail_after(TEST_SECONDS)
 
 
 def free_ports(n: int) -> list[int]:
@@ -69,7 +56,7 @@ class Server:
         t0 = time.monotonic()
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "server.triton.embedded_server", "--engine", str(self.engine_dir),
+            [sys.executable, "-m", "server.programs.triton_embedded", "--engine", str(self.engine_dir),
              "--grpc-port", str(self.grpc), "--http-port", str(self.http), "--metrics-port", str(self.metrics)],
             stdout=self.log.open("a"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
         if wait:
@@ -168,17 +155,9 @@ def test_concurrent_streams_seeds_logprobs_and_stop_strings(engine):
 
 def test_stop_a_request_mid_stream_and_the_server_moves_on(engine):
     prompt = engine.tokenize(engine.chat_prompt("Count."))
-
-    async def go():
-        req = Request(prompt, SamplingParams(temperature=0.5, seed=1, max_tokens=400, ignore_eos=True))
-        events = []
-        async for ev in engine.generate(req):
-            events.append(ev)
-            if len(events) == 4:
-                engine.cancel(req.request_id)
-        return events
+    req = Request(prompt, SamplingParams(temperature=0.5, seed=1, max_tokens=400, ignore_eos=True))
     t = time.monotonic()
-    events = run(go())
+    events = run(cancel_after(engine, req, 4))
     final = events[-1]
     assert isinstance(final, Final) and final.finish_reason == "cancelled" and len(final.token_ids) < 400
     assert sum(isinstance(e, Final) for e in events) == 1 and time.monotonic() - t < 10

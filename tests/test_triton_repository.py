@@ -110,7 +110,7 @@ def test_launch_command_one_gpu_and_tensor_parallel(tmp_path):
 
 
 def test_deploy_without_a_trtllm_engine_says_what_to_build(tiny_models, tmp_path, capsys):
-    from server.triton.deploy import main
+    from server.programs.triton_deploy import main
     from small_recipes import write_recipe
 
     recipe = write_recipe(tmp_path, "nobuild", {"cot": {"kind": "hf", "path": str(tiny_models["llama-cot"])},

@@ -35,7 +35,7 @@ def test_w8a16_converts_in_process_and_builds_with_the_aimo2_flags(project, exam
     assert [name for name, _, _ in runner.commands] == ["checkpoint", "engine"]
     _, ckpt, env = runner.commands[0]
     merged = recipe.out_dir / "merge" / "model"
-    assert ckpt[:3] == [PY, "-m", "trtbuild.trtllm.convert"]
+    assert ckpt[:3] == [PY, "-m", "trtbuild.programs.trtllm_convert"]
     assert ckpt[3:] == ["--model_dir", str(merged), "--output_dir", ckpt[6], "--dtype", "bfloat16",
                         "--tp_size", "1", "--quant_algo", "W8A16"]
     assert env["PYTHONPATH"] == str(Path(__file__).resolve().parents[1])
@@ -199,9 +199,9 @@ def test_doctor_says_why_trtllm_is_not_usable_here(capsys):
 
 
 def test_mpirun_launch_for_tensor_parallel():
-    from server.trtllm.launch import mpirun_command
+    from server.programs.trtllm_launch import mpirun_command
 
-    assert mpirun_command(1, ["python", "-m", "server.solve"]) == ["python", "-m", "server.solve"]
+    assert mpirun_command(1, ["python", "-m", "server.programs.solve"]) == ["python", "-m", "server.programs.solve"]
     assert mpirun_command(2, ["python", "x"], as_root=True) == [
         "mpirun", "-n", "2", "--allow-run-as-root", "--oversubscribe", "python", "x"]
 
@@ -262,7 +262,7 @@ def test_the_trained_drafter_is_attached_by_default(project, examples, tmp_path)
 def test_int8_wo_with_redrafter_keeps_the_drafter_out_of_quantization(project, examples, tmp_path):
     """W8A16 + ReDrafter (engines/mix.yaml): QuantConfig must carry a list, or the converter leaves the
     drafter quantized and trtllm-build stops (snapshot: redrafter, quantization)."""
-    from trtbuild.trtllm.convert import DEFAULT_EXCLUDE_MODULES
+    from trtbuild.programs.trtllm_convert import DEFAULT_EXCLUDE_MODULES
 
     up = snapshot()["quantization"]
     assert list(DEFAULT_EXCLUDE_MODULES) == up["default_exclude_modules"]

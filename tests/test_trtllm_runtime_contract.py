@@ -164,8 +164,8 @@ def test_worker_ranks_wait_for_the_leader_and_exit(engine_dir):
 
 
 def test_solve_runs_tir_through_the_trtllm_backend(engine_dir, project, tmp_path, capsys):
-    """`server.solve --backend trtllm` end to end: TIR code run in the real sandbox, answers voted."""
-    from server.solve import main as solve_main
+    """`server.programs.solve --backend trtllm` end to end: TIR code run in the real sandbox, answers voted."""
+    from server.programs.solve import main as solve_main
     from server.trtllm.engine import TrtllmEngine
 
     recipe = project()

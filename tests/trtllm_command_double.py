@@ -67,8 +67,8 @@ class FakeRunner:
         self.commands.append((step.name, cmd, env))
         if step.name == self.fail_step:
             raise RuntimeError(f"trtllm {step.name} step failed (exit 1): {' '.join(cmd)}")
-        if cmd[1:3] == ["-m", "trtbuild.trtllm.convert"]:
-            from trtbuild.trtllm.convert import main
+        if cmd[1:3] == ["-m", "trtbuild.programs.trtllm_convert"]:
+            from trtbuild.programs.trtllm_convert import main
 
             assert main(cmd[3:]) == 0
             return

@@ -62,7 +62,7 @@ STAGES: tuple[Stage, ...] = (
                                                 "server/embedded/redrafter.py", "trtbuild/drafter/train.py",
                                                 "trtbuild/drafter/acceptance.py")),
     Stage("build", "trtbuild.build", ("trtbuild/build.py", "trtbuild/trtllm/build.py", "trtbuild/trtllm/convert.py",
-                                      "trtbuild/trtllm/preflight.py")),
+                                      "trtbuild/programs/trtllm_convert.py", "trtbuild/trtllm/preflight.py")),
 )
 BY_NAME = {s.name: s for s in STAGES}
 NAMES = tuple(BY_NAME)

@@ -13,62 +13,15 @@ client included. Also the server's startup (process start to ready, model load i
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import json
 import os
 import signal
-import socket
-import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
 
-from aimo_spec.protocol import Delta, Final, Request, SamplingParams
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-async def load(engine: Any, prompt: list[int], n: int, tokens: int) -> dict[str, float]:
-    gaps: list[float] = []
-    firsts: list[float] = []
-
-    async def one(seed: int) -> int:
-        t0 = last = time.perf_counter()
-        count = 0
-        req = Request(prompt, SamplingParams(temperature=0.7, seed=seed, max_tokens=tokens, ignore_eos=True))
-        async for ev in engine.generate(req):
-            if isinstance(ev, Delta) and ev.token_ids:
-                now = time.perf_counter()
-                if count == 0:
-                    firsts.append(now - t0)
-                else:
-                    gaps.append((now - last) / len(ev.token_ids))
-                last, count = now, count + len(ev.token_ids)
-            elif isinstance(ev, Final):
-                return len(ev.token_ids)
-        return count
-    t = time.perf_counter()
-    counts = await asyncio.gather(*(one(i) for i in range(n)))
-    wall = time.perf_counter() - t
-    return {"tok_s": sum(counts) / wall, "token_ms": statistics.mean(gaps) * 1000, "ttft_ms": statistics.mean(firsts) * 1000}
-
-
-def measure(engine: Any, prompt: list[int], levels: list[int], tokens: int, repeats: int) -> dict[int, dict]:
-    asyncio.run(load(engine, prompt, 2, 8))  # warm-up
-    out = {}
-    for n in levels:
-        runs = [asyncio.run(load(engine, prompt, n, tokens)) for _ in range(repeats)]
-        out[n] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-    return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from server.bench.served import arguments, free_port, measure_direct, measure_served
 
 
 def open_direct(folder: Path, threads: Optional[int]) -> Any:
@@ -85,13 +38,8 @@ def tokenizer_dir(folder: Path) -> Path:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m server.bench.openai", description=__doc__.splitlines()[0])
-    ap.add_argument("--engine", required=True, type=Path)
-    ap.add_argument("--tokens", type=int, default=48)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--levels", default="1,4,8")
+    ap = arguments("python -m server.bench.openai", __doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=None, help="torch threads of both engines (default: the engine's)")
-    ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     from server.openai.engine import OpenAIEngine
 
@@ -100,28 +48,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     levels = [int(x) for x in args.levels.split(",")]
     direct = open_direct(args.engine, args.threads)
-    prompt = direct.tokenize(direct.chat_prompt("What is the sum of the first 20 primes?"))
-    print(f"[bench] the engine in process, {args.tokens} tokens per request, median of {args.repeats}", file=sys.stderr)
-    try:
-        base = measure(direct, prompt, levels, args.tokens, args.repeats)
-    finally:
-        direct.shutdown()
+    prompt, base = measure_direct(direct, "the engine in process", levels, args.tokens, args.repeats)
     port = free_port()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the server below is killed on the way out
-    t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "server.openai.serve", "--engine", str(args.engine), "--port", str(port),
-                             *(["--threads", str(args.threads)] if args.threads else [])],
-                            env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        engine = OpenAIEngine(f"http://127.0.0.1:{port}/v1", str(tokenizer_dir(args.engine)), connect_timeout=300)
-        startup = time.monotonic() - t0
-        print(f"[bench] server ready in {startup:.1f}s: {engine.describe()}", file=sys.stderr)
-        via = measure(engine, prompt, levels, args.tokens, args.repeats)
-        engine.shutdown()
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    program = ["server.programs.serve", "--engine", str(args.engine), "--port", str(port),
+               *(["--threads", str(args.threads)] if args.threads else [])]
+
+    def connect() -> Any:
+        return OpenAIEngine(f"http://127.0.0.1:{port}/v1", str(tokenizer_dir(args.engine)), connect_timeout=300)
+    via, startup = measure_served(program, connect, lambda engine, s: f"server ready in {s:.1f}s: {engine.describe()}",
+                                  prompt, levels, args.tokens, args.repeats)
     rows = [{"concurrent": n, "direct_tok_s": round(base[n]["tok_s"], 1), "http_tok_s": round(via[n]["tok_s"], 1),
              "throughput_ratio": round(via[n]["tok_s"] / base[n]["tok_s"], 3),
              "direct_token_ms": round(base[n]["token_ms"], 2), "http_token_ms": round(via[n]["token_ms"], 2),

@@ -26,7 +26,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Awaitable, Callable, Optional
 
 
 
@@ -40,6 +40,21 @@ def problem_prompts(engine: Any, problems_file: str, n: int) -> list[list[int]]:
     problems = read_problems(problems_file)
     texts = [problems[i % len(problems)].text for i in range(n)]
     return [engine.tokenize(engine.chat_prompt(t)) for t in texts]
+
+
+def timed_batch(go: Callable[[], Awaitable[list[Any]]], outcome: Callable[[Any], tuple[str, str, int]], what: str
+                ) -> tuple[float, int]:
+    """Run one batch (`go`) on the clock: (generated tokens per second of wall time, tokens). `outcome` reads
+    each result's (finish reason, error, tokens); a result that did not end by stop or length fails the run."""
+    t0 = time.perf_counter()
+    results = asyncio.run(go())
+    wall = time.perf_counter() - t0
+    ends = [outcome(r) for r in results]
+    bad = [e for e in ends if e[0] not in ("stop", "length")]
+    if bad:
+        raise RuntimeError(f"benchmark {what} ended with {bad[0][0]}: {bad[0][1]}")
+    tokens = sum(e[2] for e in ends)
+    return tokens / wall, tokens
 
 
 def plain_throughput(engine: Any, sandbox: Any, serving: Any, prompts: list[list[int]], seed0: int
@@ -60,14 +75,7 @@ def plain_throughput(engine: Any, sandbox: Any, serving: Any, prompts: list[list
     async def go() -> list[Final]:
         return await asyncio.gather(*(one(p, sp) for p, sp in zip(prompts, params)))
 
-    t0 = time.perf_counter()
-    finals = asyncio.run(go())
-    wall = time.perf_counter() - t0
-    bad = [f for f in finals if f.finish_reason not in ("stop", "length")]
-    if bad:
-        raise RuntimeError(f"benchmark request ended with {bad[0].finish_reason}: {bad[0].error}")
-    tokens = sum(len(f.token_ids) for f in finals)
-    return tokens / wall, tokens
+    return timed_batch(go, lambda f: (f.finish_reason, f.error, len(f.token_ids)), "request")
 
 
 def tir_throughput(engine: Any, sandbox: Any, serving: Any, prompts: list[list[int]], seed0: int
@@ -80,14 +88,7 @@ def tir_throughput(engine: Any, sandbox: Any, serving: Any, prompts: list[list[i
     async def go() -> list[Any]:
         return await asyncio.gather(*(client.run(p, i, seed0 + i) for i, p in enumerate(prompts)))
 
-    t0 = time.perf_counter()
-    traces = asyncio.run(go())
-    wall = time.perf_counter() - t0
-    bad = [t for t in traces if t.finish not in ("stop", "length")]
-    if bad:
-        raise RuntimeError(f"benchmark sample ended with {bad[0].finish}: {bad[0].error}")
-    tokens = sum(t.tokens for t in traces)
-    return tokens / wall, tokens
+    return timed_batch(go, lambda t: (t.finish, t.error, t.tokens), "sample")
 
 
 def open_engine(engine_dir: Path, speculative: bool, serving: Any, threads: Optional[int] = None) -> Any:

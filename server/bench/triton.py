@@ -11,100 +11,35 @@ to ready, model load included).
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import json
-import os
-import signal
-import socket
-import statistics
-import subprocess
 import sys
-import time
-from pathlib import Path
 from typing import Any, Optional
 
-from aimo_spec.protocol import Delta, Final, Request, SamplingParams
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-async def load(engine: Any, prompt: list[int], n: int, tokens: int) -> tuple[float, float, int]:
-    """(aggregate tokens/s, mean seconds between streamed tokens, tokens)."""
-    gaps: list[float] = []
-
-    async def one(seed: int) -> int:
-        last, count = time.perf_counter(), 0
-        req = Request(prompt, SamplingParams(temperature=0.7, seed=seed, max_tokens=tokens, ignore_eos=True))
-        async for ev in engine.generate(req):
-            if isinstance(ev, Delta) and ev.token_ids:
-                now = time.perf_counter()
-                gaps.append((now - last) / len(ev.token_ids))
-                last, count = now, count + len(ev.token_ids)
-            elif isinstance(ev, Final):
-                return len(ev.token_ids)
-        return count
-    t = time.perf_counter()
-    counts = await asyncio.gather(*(one(i) for i in range(n)))
-    wall = time.perf_counter() - t
-    return sum(counts) / wall, statistics.mean(gaps), sum(counts)
-
-
-def measure(engine: Any, prompt: list[int], levels: list[int], tokens: int, repeats: int) -> dict[int, dict]:
-    asyncio.run(load(engine, prompt, 2, 8))  # warm-up
-    out = {}
-    for n in levels:
-        runs = [asyncio.run(load(engine, prompt, n, tokens)) for _ in range(repeats)]
-        out[n] = {"tok_s": statistics.median(r[0] for r in runs), "token_latency_ms": statistics.median(r[1] for r in runs) * 1000}
-    return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from server.bench.served import arguments, free_port, measure_direct, measure_served
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m server.bench.triton", description=__doc__.splitlines()[0])
-    ap.add_argument("--engine", required=True, type=Path)
-    ap.add_argument("--tokens", type=int, default=48)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--levels", default="1,4,8")
-    ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args(argv)
+    args = arguments("python -m server.bench.triton", __doc__.splitlines()[0]).parse_args(argv)
     from server.embedded.engine import EmbeddedEngine
     from server.triton.engine import TritonEngine
 
     levels = [int(x) for x in args.levels.split(",")]
     direct = EmbeddedEngine.from_dir(args.engine)
-    prompt = direct.tokenize(direct.chat_prompt("What is the sum of the first 20 primes?"))
-    print(f"[bench] direct embedded engine, {args.tokens} tokens per request, median of {args.repeats}", file=sys.stderr)
-    try:
-        base = measure(direct, prompt, levels, args.tokens, args.repeats)
-    finally:
-        direct.shutdown()
+    prompt, base = measure_direct(direct, "direct embedded engine", levels, args.tokens, args.repeats)
     grpc, http, metrics = free_port(), free_port(), free_port()
-    t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "server.triton.embedded_server", "--engine", str(args.engine),
-                             "--grpc-port", str(grpc), "--http-port", str(http), "--metrics-port", str(metrics)],
-                            env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        engine = TritonEngine(f"localhost:{grpc}", str(args.engine / "model" if (args.engine / "model").is_dir()
-                                                         else args.engine), connect_timeout=300)
-        startup = time.monotonic() - t0
-        print(f"[bench] Triton server ready in {startup:.1f}s", file=sys.stderr)
-        via = measure(engine, prompt, levels, args.tokens, args.repeats)
-        engine.shutdown()
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    program = ["server.programs.triton_embedded", "--engine", str(args.engine), "--grpc-port", str(grpc),
+               "--http-port", str(http), "--metrics-port", str(metrics)]
+
+    def connect() -> Any:
+        return TritonEngine(f"localhost:{grpc}", str(args.engine / "model" if (args.engine / "model").is_dir()
+                                                     else args.engine), connect_timeout=300)
+    via, startup = measure_served(program, connect, lambda engine, s: f"Triton server ready in {s:.1f}s",
+                                  prompt, levels, args.tokens, args.repeats)
     rows = [{"concurrent": n, "direct_tok_s": round(base[n]["tok_s"], 1), "triton_tok_s": round(via[n]["tok_s"], 1),
              "throughput_ratio": round(via[n]["tok_s"] / base[n]["tok_s"], 3),
-             "direct_token_ms": round(base[n]["token_latency_ms"], 2),
-             "triton_token_ms": round(via[n]["token_latency_ms"], 2),
-             "latency_ratio": round(via[n]["token_latency_ms"] / base[n]["token_latency_ms"], 3)} for n in levels]
+             "direct_token_ms": round(base[n]["stream_token_ms"], 2),
+             "triton_token_ms": round(via[n]["stream_token_ms"], 2),
+             "latency_ratio": round(via[n]["stream_token_ms"] / base[n]["stream_token_ms"], 3)} for n in levels]
     print(f"Triton (PyTriton tritonserver, gRPC streaming) vs the embedded engine directly; server startup "
           f"{startup:.1f}s")
     print(f"{'concurrent':>10} {'direct tok/s':>12} {'triton tok/s':>12} {'ratio':>6} {'direct ms/tok':>13} "

@@ -1,6 +1,6 @@
 """Run the generated notebook headlessly, as Kaggle would, against a local dataset folder (no network).
 
-    python -m server.kaggle.execute --dataset engines/mix/kaggle [--samples N]
+The program: server/programs/kaggle_execute.py.
 
 Sets the paths the notebook reads (AIMO_TRT_DATASET, AIMO_TRT_SITE, AIMO_OUT), executes every cell with
 nbclient in a fresh kernel whose working directory is the output folder (where the gateway, ours or
@@ -10,10 +10,8 @@ against the answer column of the dataset's problems.csv.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -82,28 +80,3 @@ def _execute(dataset: Path, out: Path, site: Path, problems: Optional[int], samp
     if (out / "submission.parquet").is_file():
         report.update(score(out / "submission.parquet", dataset / "problems.csv"))
     return report
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m server.kaggle.execute", description=__doc__.splitlines()[0])
-    ap.add_argument("--dataset", required=True, type=Path)
-    ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--samples", type=int, default=None)
-    args = ap.parse_args(argv)
-    out = args.out or args.dataset.parent / "kaggle-run"
-    report = execute(args.dataset, out, samples=args.samples)
-    if report["error"] or "correct" not in report:
-        print(f"[kaggle] the notebook failed after {report['notebook_seconds']}s "
-              f"(executed copy: {out / 'aimo_trt.executed.ipynb'}):\n{report['error'] or 'no submission.parquet'}",
-              file=sys.stderr)
-        return 1
-    times = report.get("aimo_trt_timings") or {}
-    print(f"[kaggle] notebook ran in {report['notebook_seconds']}s (first predict {times.get('first_call')}s and first "
-          f"answer {times.get('first_answer')}s after its start): "
-          f"{report['correct']}/{report['scored']} correct, {report['problems']} answered; submission "
-          f"{out / 'submission.parquet'}; executed notebook {out / 'aimo_trt.executed.ipynb'}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

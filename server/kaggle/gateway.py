@@ -1,7 +1,6 @@
 """A local gateway that calls `predict` the way Kaggle's AIMO gateway does, for use off Kaggle.
 
-    python -m server.kaggle.gateway --engine engines/mix/build/embedded --problems engines/problems/smoke.csv \
-        [--serving engines/mix/kaggle/serving.json]
+The program: server/programs/kaggle_gateway.py.
 
 Like the real one (facts in tests/upstream/kaggle_evaluation.json) it reads the CSV with polars
 (types inferred: numeric ids are Int64), shuffles it, and calls `predict(*row)` one row at a time,
@@ -17,11 +16,9 @@ is logged with the answers).
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import io
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -164,38 +161,3 @@ def run(predict: Callable[..., Any], problems: Path, out: Path, seed: int = 0, c
     log(f"[gateway] {report['correct']}/{report['scored']} correct, {report['problems']} answered in "
         f"{report['wall_seconds']}s; wrote {out / 'submission.parquet'}")
     return report
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m server.kaggle.gateway", description=__doc__.splitlines()[0])
-    ap.add_argument("--engine", required=True)
-    ap.add_argument("--serving", default=None, help="the serving settings: a Kaggle dataset's serving.json "
-                                                    "(default: the defaults)")
-    ap.add_argument("--problems", required=True, type=Path)
-    ap.add_argument("--out", type=Path, default=Path("runs/kaggle"))
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--samples", type=int, default=None)
-    ap.add_argument("--competition", choices=("aimo3", "aimo2"), default="aimo3")
-    ap.add_argument("--url", default="", help="solve through OpenAI-compatible server(s) (comma-separated)")
-    args = ap.parse_args(argv)
-    from server.kaggle.predict import Predictor
-
-    try:
-        n = read_frame(args.problems).height
-        predictor = Predictor(args.engine, problems=n, samples=args.samples, url=args.url,
-                              competition=args.competition, serving=args.serving)
-    except (GatewayError, ValueError, FileNotFoundError) as e:
-        print(f"gateway: {e}", file=sys.stderr)
-        return 2
-    try:
-        run(predictor.predict, args.problems, args.out, args.seed, competition=args.competition)
-    except (GatewayError, RuntimeError) as e:
-        print(f"gateway: {e}", file=sys.stderr)
-        return 1
-    finally:
-        predictor.close()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

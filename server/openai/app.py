@@ -69,7 +69,7 @@ def create_app(load: Callable[[], Any], model_name: str,
         reading; else while reading)."""
         declared = request.headers.get("content-length")
         too_big = (f"the request body is over this server's limit of {max_request_bytes} bytes "
-                   "(set by `python -m server.openai.serve --max-request-bytes`)")
+                   "(set by `python -m server.programs.serve --max-request-bytes`)")
         if declared is not None:
             try:
                 size = int(declared)

@@ -1,30 +1,25 @@
 """The embedded engine behind a real Triton Inference Server (the tritonserver PyTriton bundles; CPU-only).
 
-    python -m server.triton.embedded_server --engine engines/mix/build/embedded [--recipe engines/mix.yaml] \
-        [--grpc-port 8001 ...]
+The program: server/programs/triton_embedded.py (`make triton`).
 
 Serves the `ensemble` interface (server/triton/interface.py) in decoupled (streaming) mode from an
 async generator, so many requests share one in-flight batch. The model is loaded before it is bound:
 Triton's readiness endpoint says ready only once the engine can serve. A request with parameter
 `stop: true` ends the running request of the same `request_key` (its stream ends with finish_reason
-The engine runs with the recipe's serving settings (device, speculative decoding, deterministic mode;
-`--recipe`), or the defaults, under the command's environment (`serving_settings`). Runs in the Triton
-environment (.venv-triton: PyTriton needs numpy<2).
+'cancelled'). The engine runs with the serving settings it is given (the program passes the recipe's,
+resolved by `serving_settings`, or the defaults). Runs in the Triton environment (.venv-triton:
+PyTriton needs numpy<2).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import signal
-import sys
 import sysconfig
 import time
 from pathlib import Path
 from typing import Any, AsyncIterator, Optional
 
-from aimo_spec.recipe import RecipeError, ServingSpec, load_recipe
-from server.embedded.settings import serving_settings
+from aimo_spec.recipe import ServingSpec
 from server.triton.interface import INPUTS, KEY_PARAMETER, MODEL, OUTPUTS, STOP_PARAMETER
 
 
@@ -170,31 +165,3 @@ def serve(engine_dir: Path, grpc_port: int, http_port: int, metrics_port: int, l
             triton.serve()
         finally:
             engine.shutdown()
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m server.triton.embedded_server", description=__doc__.splitlines()[0])
-    ap.add_argument("--engine", required=True, type=Path, help="an embedded engine folder (build/embedded/)")
-    ap.add_argument("--recipe", type=Path, default=None,
-                    help="the recipe whose serving settings the engine runs with (default: the defaults)")
-    ap.add_argument("--grpc-port", type=int, default=8001)
-    ap.add_argument("--http-port", type=int, default=8000)
-    ap.add_argument("--metrics-port", type=int, default=8002)
-    args = ap.parse_args(argv)
-    if not (args.engine / "engine.json").is_file() and not (args.engine / "config.json").is_file():
-        print(f"triton: {args.engine}: no embedded engine; run `make engine` first", file=sys.stderr)
-        return 2
-    try:
-        serving = serving_settings(load_recipe(args.recipe, check_paths=False) if args.recipe else None)
-    except (RecipeError, ValueError) as e:
-        print(f"triton: {e}", file=sys.stderr)
-        return 2
-    for sig in (signal.SIGTERM, signal.SIGHUP):  # unwind through Triton's context: tritonserver stops too
-        signal.signal(sig, lambda *_: sys.exit(0))
-    serve(args.engine, args.grpc_port, args.http_port, args.metrics_port,
-          log=lambda m: print(m, file=sys.stderr, flush=True), serving=serving)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

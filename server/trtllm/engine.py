@@ -10,7 +10,7 @@ cancel all end in `Executor.cancel_request`, and every request ends with exactly
 The turns of one TIR sample resubmit the whole token history; with `enable_block_reuse` the
 executor serves the common prefix from KV blocks it kept (`Final.cached_tokens` reports it, from
 the request's KV-cache metrics). Tensor parallelism uses MPI leader mode: start the process with
-`mpirun -n <tp>` (see `server/trtllm/launch.py`); ranks other than 0 wait inside `from_dir` until
+`mpirun -n <tp>` (see `server/programs/trtllm_launch.py`); ranks other than 0 wait inside `from_dir` until
 the leader shuts down, then exit.
 """
 

@@ -5,7 +5,7 @@ their output in `engines/<model>/trtllm/<step>/` with a manifest and fingerprint
 engine build (the long, GPU-bound part) resumes without redoing calibration. The engine step
 writes into the build stage's folder. The commands are the published ones (AIMO-2 / NeMo-Skills):
 
-- bf16, int8_wo: `python -m trtbuild.trtllm.convert` (from_hugging_face + QuantConfig(W8A16));
+- bf16, int8_wo: `python -m trtbuild.programs.trtllm_convert` (from_hugging_face + QuantConfig(W8A16));
 - fp8 (and any FP8 KV cache): TensorRT-LLM's `examples/quantization/quantize.py` calibrated on the
   recipe's TIR traces, or the quantize stage's ModelOpt export (`trtllm.fp8_checkpoint`);
 - ReDrafter: `examples/redrafter/convert_checkpoint.py` on the base checkpoint plus the drafter;
@@ -100,7 +100,7 @@ def _checkpoint_step(recipe: Recipe, env: TrtllmEnv, merged: Path, work: Path, u
         return Step("checkpoint", tuple(argv), work / "checkpoint", fp,
                     prepare=lambda: write_calibration_set(recipe, merged, calib) and None,
                     finalize=lambda out: ensure_exclusion_list(out / "config.json") and None)
-    argv = [env.python, "-m", "trtbuild.trtllm.convert", "--model_dir", str(merged), "--output_dir", OUTPUT,
+    argv = [env.python, "-m", "trtbuild.programs.trtllm_convert", "--model_dir", str(merged), "--output_dir", OUTPUT,
             "--dtype", "bfloat16", "--tp_size", str(b.tp_size), "--quant_algo", "W8A16" if q == "int8_wo" else "none"]
     return Step("checkpoint", tuple(argv), work / "checkpoint", fp, env={"PYTHONPATH": str(PROJECT_ROOT)})
 

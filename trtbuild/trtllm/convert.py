@@ -1,6 +1,6 @@
 """HF checkpoint -> TensorRT-LLM checkpoint, bf16 or int8 weight-only (W8A16); runs in TensorRT-LLM's env.
 
-    $TRTLLM_PYTHON -m trtbuild.trtllm.convert --model_dir M --output_dir C --tp_size 2 --quant_algo W8A16
+    $TRTLLM_PYTHON -m trtbuild.programs.trtllm_convert --model_dir M --output_dir C --tp_size 2 --quant_algo W8A16
 
 Weight-only int8 needs no calibration: the model class converts and quantizes the HF weights itself
 (`from_hugging_face(..., quant_config=QuantConfig(quant_algo=W8A16, exclude_modules=[...]))`), one rank
@@ -12,12 +12,9 @@ tensorrt_llm.
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 from trtbuild.trtllm.preflight import MODEL_CLASSES
 
@@ -74,23 +71,3 @@ def convert(model_dir: Path, output_dir: Path, tp_size: int, quant_algo: str, dt
         seconds.append(round(time.time() - t, 2))
         print(f"[convert] rank {rank}/{tp_size}: {MODEL_CLASSES[arch]} {quant_algo} in {seconds[-1]}s", flush=True)
     return {"model_class": MODEL_CLASSES[arch], "quant_algo": quant_algo, "tp_size": tp_size, "seconds": seconds}
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m trtbuild.trtllm.convert", description=__doc__.splitlines()[0])
-    ap.add_argument("--model_dir", required=True, type=Path)
-    ap.add_argument("--output_dir", required=True, type=Path)
-    ap.add_argument("--tp_size", type=int, default=1)
-    ap.add_argument("--quant_algo", choices=QUANT_ALGOS, default="none")
-    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
-    args = ap.parse_args(argv)
-    try:
-        convert(args.model_dir, args.output_dir, args.tp_size, args.quant_algo, args.dtype)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"convert: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """`make solve MODEL=mix PROBLEMS=path.csv`: solve a problems file with a built engine.
 
-    python -m server.solve --recipe engines/mix.yaml --problems engines/problems/smoke.csv
+    python -m server.programs.solve --recipe engines/mix.yaml --problems engines/problems/smoke.csv
 
 Prints progress per problem (stderr), then the results table and the whole-run figures (stdout);
 writes `results.json` and `traces.jsonl` (one line per sample) to --out. `results.json` is rewritten
@@ -94,11 +94,11 @@ async def _main(args: argparse.Namespace) -> int:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m server.solve", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m server.programs.solve", description=__doc__.split("\n")[0])
     ap.add_argument("--recipe", required=True)
     ap.add_argument("--problems", required=True, help="CSV with columns id, problem[, answer]")
     ap.add_argument("--backend", default="auto", help=" | ".join(SERVING_BACKENDS) + " (tp > 1: start under mpirun, "
-                                                    "see server/trtllm/launch.py)")
+                                                    "see server/programs/trtllm_launch.py)")
     ap.add_argument("--triton-url", default="localhost:8001", help="with --backend triton: the server's gRPC address")
     ap.add_argument("--url", default="", help="with --backend openai: OpenAI-compatible server(s), comma-separated "
                                              "(replicas: samples spread over them)")

@@ -1,7 +1,8 @@
 """`make serve MODEL=mix`: the OpenAI-compatible HTTP server (server/openai/app.py) under uvicorn.
 
-    python -m server.openai.serve --recipe engines/mix.yaml [--backend auto|embedded|trtllm|triton|openai] [--port 8000]
-    python -m server.openai.serve --engine engines/mix/build/embedded     # an engine folder or an HF checkpoint
+    python -m server.programs.serve --recipe engines/mix.yaml [--backend auto|embedded|trtllm|triton|openai] \
+        [--port 8000]
+    python -m server.programs.serve --engine engines/mix/build/embedded     # an engine folder or an HF checkpoint
 
 The port opens at once and answers 503 while the engine loads; a line `[serve] ready: ...` says
 when it serves. SIGTERM (or Ctrl-C) drains: no new requests (503), the running ones finish within
@@ -54,7 +55,7 @@ def engine_loader(args: argparse.Namespace) -> tuple[Callable[[], Any], str]:
 def main(argv: Optional[list[str]] = None) -> int:
     from server.backends import SERVING_BACKENDS
 
-    ap = argparse.ArgumentParser(prog="python -m server.openai.serve", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m server.programs.serve", description=__doc__.splitlines()[0])
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--recipe", help="serve this recipe's built engine (engines/<model>.yaml)")
     src.add_argument("--engine", help="serve this engine folder (engine.json) or HF checkpoint (config.json)")

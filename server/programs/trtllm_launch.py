@@ -1,7 +1,7 @@
 """How a trtllm process is started: plain for tp = 1, under `mpirun -n <tp>` (MPI leader mode) above.
 
-    python -m server.trtllm.launch --tp 2 -- python -m server.solve --recipe ... --backend trtllm
-    python -m server.trtllm.launch --recipe engines/mix.yaml -- ...   (tp from build.tp_size)
+    python -m server.programs.trtllm_launch --tp 2 -- python -m server.programs.solve --recipe ... --backend trtllm
+    python -m server.programs.trtllm_launch --recipe engines/mix.yaml -- ...   (tp from build.tp_size)
 
 prints (with --print) or runs the command. Every rank opens the engine; rank 0 serves and the
 others wait inside the executor until it shuts down (`TrtllmEngine.from_dir`).
@@ -26,7 +26,7 @@ def mpirun_command(tp_size: int, argv: list[str], as_root: Optional[bool] = None
 
 
 def main(args: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m server.trtllm.launch", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m server.programs.trtllm_launch", description=__doc__.splitlines()[0])
     group = ap.add_mutually_exclusive_group(required=True)
     group.add_argument("--tp", type=int, help="tensor parallel size")
     group.add_argument("--recipe", help="take the tensor parallel size from this recipe's build.tp_size")

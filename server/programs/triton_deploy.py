@@ -1,6 +1,6 @@
 """`make triton MODEL=... BACKEND=trtllm`: the tensorrtllm_backend repository for the built engine, and its launch.
 
-    python -m server.triton.deploy --recipe engines/mix.yaml --out engines/mix/triton [--launch]
+    python -m server.programs.triton_deploy --recipe engines/mix.yaml --out engines/mix/triton [--launch]
 
 Writes the model repository (server/triton/repository.py) and prints the tritonserver command (one
 MPI rank per GPU for tp > 1); with --launch it runs it (on the GPU host, in NVIDIA's Triton
@@ -21,7 +21,7 @@ from aimo_spec.recipe import RecipeError, load_recipe
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m server.triton.deploy", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m server.programs.triton_deploy", description=__doc__.splitlines()[0])
     ap.add_argument("--recipe", required=True)
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--templates", type=Path, default=None, help="tensorrtllm_backend all_models/inflight_batcher_llm")
