@@ -262,7 +262,7 @@ def test_the_trained_drafter_is_attached_by_default(project, examples, tmp_path)
 def test_int8_wo_with_redrafter_keeps_the_drafter_out_of_quantization(project, examples, tmp_path):
     """W8A16 + ReDrafter (engines/mix.yaml): QuantConfig must carry a list, or the converter leaves the
     drafter quantized and trtllm-build stops (snapshot: redrafter, quantization)."""
-    from trtbuild.programs.trtllm_convert import DEFAULT_EXCLUDE_MODULES
+    from trtbuild.trtllm.convert import DEFAULT_EXCLUDE_MODULES
 
     up = snapshot()["quantization"]
     assert list(DEFAULT_EXCLUDE_MODULES) == up["default_exclude_modules"]
