@@ -19,10 +19,30 @@ from typing import Any, Literal, Union
 import yaml
 
 from aimo_spec.schema import (  # noqa: F401 (re-exported: callers import the shapes from here)
-    HFSource, GGUFPackageSource, TIRFinetuneSource, Source, MergeSpec, CalibrationSpec,
-    QuantFormat, QuantizeSpec, DrafterTrainSpec, DrafterSpec, BuildSpec, TrtllmSpec, QualitySpec,
-    CodeTags, SamplingSpec, ToolSpec, SolverSpec, BudgetSpec, SpeculativeSpec, ServingSpec,
-    ANSWER_RANGES, KaggleSpec, Recipe, to_data,
+    ANSWER_RANGES,
+    BudgetSpec,
+    BuildSpec,
+    CalibrationSpec,
+    CodeTags,
+    DrafterSpec,
+    DrafterTrainSpec,
+    GGUFPackageSource,
+    HFSource,
+    KaggleSpec,
+    MergeSpec,
+    QualitySpec,
+    QuantFormat,
+    QuantizeSpec,
+    Recipe,
+    SamplingSpec,
+    ServingSpec,
+    SolverSpec,
+    Source,
+    SpeculativeSpec,
+    TIRFinetuneSource,
+    ToolSpec,
+    TrtllmSpec,
+    to_data,
 )
 
 

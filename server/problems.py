@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from server.budget import TimeBudget
-from server.solver import SolveResult, Solver
+from server.solver import Solver, SolveResult
 
 
 @dataclass(frozen=True)

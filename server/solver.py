@@ -35,8 +35,8 @@ from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
 from aimo_spec.protocol import Engine
-from server.tir import SampleTrace, TIRClient
 from aimo_spec.recipe import SolverSpec
+from server.tir import SampleTrace, TIRClient
 
 FINISHED = ("stop", "length")  # the finish reasons of a sample that ended on its own
 CANCEL_GRACE = 30.0  # seconds a cancelled sample may take to report its end

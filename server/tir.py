@@ -26,11 +26,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
+from aimo_spec.chat import output_block
+from aimo_spec.protocol import Delta, Engine, Final, Request, SamplingParams
+from aimo_spec.recipe import CodeTags, ServingSpec, SolverSpec
 from server.answers import boxed_span, last_boxed, normalize
 from server.toolerrors import error_kind
-from aimo_spec.chat import output_block
-from aimo_spec.recipe import CodeTags, ServingSpec, SolverSpec
-from aimo_spec.protocol import Delta, Engine, Final, Request, SamplingParams
 
 
 @dataclass

@@ -13,9 +13,9 @@ import asyncio
 import pytest
 import torch
 
+from aimo_spec.protocol import Request, SamplingParams, collect
 from server.embedded import deterministic
 from server.embedded.engine import EmbeddedEngine
-from aimo_spec.protocol import Request, SamplingParams, collect
 
 
 def texts(tok, n: int) -> list[str]:
@@ -47,8 +47,8 @@ DEVICES = [("cpu", torch.float32)] + ([("cuda", torch.float32), ("cuda", torch.b
 
 @pytest.fixture(scope="module")
 def model_and_tokenizer(tiny_models):
-    from server.embedded.loader import load_model
     from aimo_spec.chat import load_tokenizer
+    from server.embedded.loader import load_model
 
     path = tiny_models["qwen-tir"]
     return load_model(path).float(), load_tokenizer(path)

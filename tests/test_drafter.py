@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 
+from server.embedded.redrafter import DrafterConfig, ReDrafter
 from trtbuild.drafter import acceptance
 from trtbuild.drafter import train as dtrain
 from trtbuild.drafter.data import Sequence
-from server.embedded.redrafter import DrafterConfig, ReDrafter
 
 # The tensor names examples/redrafter/convert_checkpoint.py (TensorRT-LLM 1.2.x) reads from the drafter
 # folder, for 2 residual blocks: input_proj only when exit_dim != 2 * hidden_size.
@@ -21,8 +21,8 @@ CONVERTER_NAMES = {"lm_head.0.linear.weight", "lm_head.0.linear.bias", "lm_head.
 
 @pytest.fixture(scope="module")
 def target(tiny_models):
-    from server.embedded.loader import load_model
     from aimo_spec.chat import load_tokenizer
+    from server.embedded.loader import load_model
 
     return load_model(tiny_models["llama-tir"]), load_tokenizer(tiny_models["llama-tir"])
 
@@ -150,9 +150,10 @@ def test_training_raises_heldout_top1(target):
 def test_drafter_stage_in_make_engine(tiny_models, tmp_path, capfd):
     """`engine` with drafter.kind redrafter: trained on the target's own TIR generations, measured, attached."""
     from small_recipes import write_recipe
+
+    from aimo_spec.recipe import load_recipe
     from trtbuild import manifest as mf
     from trtbuild.__main__ import main
-    from aimo_spec.recipe import load_recipe
 
     path = write_recipe(tmp_path, "tinyd", {"cot": {"kind": "hf", "path": str(tiny_models["llama-cot"])},
                                             "tir": {"kind": "hf", "path": str(tiny_models["llama-tir"])}},
@@ -179,8 +180,8 @@ def test_drafter_stage_in_make_engine(tiny_models, tmp_path, capfd):
     # the folder serves with its drafter (2 beams x 2: the best beam is verified), tokens as without it
     import asyncio
 
-    from server.embedded.engine import EmbeddedEngine
     from aimo_spec.protocol import Request, SamplingParams, collect
+    from server.embedded.engine import EmbeddedEngine
 
     greedy = SamplingParams(temperature=0.0, max_tokens=16)
     finals = {}
@@ -200,6 +201,7 @@ def test_drafter_stage_in_make_engine(tiny_models, tmp_path, capfd):
 
 def test_draft_length_beyond_training_is_a_recipe_error(tmp_path):
     from small_recipes import write_recipe
+
     from aimo_spec.recipe import RecipeError, load_recipe
 
     path = write_recipe(tmp_path, "bad", {"cot": {"kind": "hf", "path": "x"}, "tir": {"kind": "hf", "path": "y"}},

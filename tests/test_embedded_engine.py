@@ -8,12 +8,12 @@ import time
 
 import pytest
 import torch
+from streams import cancel_after
 
+from aimo_spec.protocol import Final, Request, SamplingParams, collect
 from server.answers import last_boxed, normalize
 from server.embedded.engine import EmbeddedEngine
-from aimo_spec.protocol import Final, Request, SamplingParams, collect
 from server.textstream import StopMatcher
-from streams import cancel_after
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 

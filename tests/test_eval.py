@@ -88,8 +88,9 @@ def test_replay_rules_budget_and_scores():
 
 
 def test_replay_cli_on_a_recorded_eval(tmp_path, capsys):
-    from server.programs.replay import main
     from small_recipes import write_recipe
+
+    from server.programs.replay import main
 
     recipe = write_recipe(tmp_path, "rp", {"cot": {"kind": "hf", "path": "a"}, "tir": {"kind": "hf", "path": "b"}})
     data = {"recipe": str(recipe), "variants": {"mix": {"results": synthetic()}}}

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import polars as pl
 import pytest
-
 from engine_double import ScriptedEngine
 from kaggle_kit import engine_folder, serving_spec
+
+from aimo_spec.protocol import Final
 from server.engine_check import EngineFolderError
 from server.kaggle.predict import EngineStartError, Predictor
-from aimo_spec.protocol import Final
 
 
 def boxed(answer: str):
@@ -201,8 +201,8 @@ def kill_engine_thread(engine) -> None:
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread's death is the test
 def test_the_embedded_engine_reports_a_dead_thread_and_fails_its_requests_at_once(tiny_models):
-    from server.embedded.engine import EmbeddedEngine
     from aimo_spec.protocol import Request, SamplingParams
+    from server.embedded.engine import EmbeddedEngine
 
     engine = EmbeddedEngine.from_dir(tiny_models["llama-tir"], max_seq_len=128, device="cpu")
     assert engine.alive and engine.ready

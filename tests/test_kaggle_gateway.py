@@ -7,7 +7,6 @@ from __future__ import annotations
 import errno
 import functools
 import json
-import os
 import sys
 import time
 from pathlib import Path

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import polars as pl
 import pytest
-
 from kaggle_kit import ROOT, engine_folder, serving_spec
+from small_recipes import write_recipe
+
+from aimo_spec.recipe import load_recipe
 from server.engine_check import EngineFolderError
 from server.kaggle.predict import Predictor
-from small_recipes import write_recipe
 from trtbuild.build import engine_config
-from aimo_spec.recipe import load_recipe
 
 
 def test_generated_notebook_runs_against_the_faithful_gateway_on_the_shipped_problems(tiny_models, tmp_path,

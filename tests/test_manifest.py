@@ -103,8 +103,9 @@ def test_two_concurrent_runs_on_one_folder_do_the_work_once(tmp_path):
 
 
 def test_the_build_command_takes_the_lock(tmp_path, monkeypatch):
-    import trtbuild.__main__ as cli
     from small_recipes import write_recipe
+
+    import trtbuild.__main__ as cli
 
     taken = []
     real = mf.folder_lock

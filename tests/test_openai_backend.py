@@ -16,6 +16,7 @@ pytest.importorskip("httpx2")
 pytest.importorskip("uvicorn")
 
 from openai_servers import ServerProcess, hang_guard  # noqa: E402,F401
+
 from aimo_spec.protocol import Delta, Final, Request, SamplingParams, collect  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
@@ -150,10 +151,10 @@ def test_the_solver_with_the_sandbox_over_two_replicas(replicas, local, tiny_mod
     """The TIR client and solver, unchanged: code tags taken from the random model's greedy text, so
     it really closes a code block; the code runs in the real sandbox, its output block is appended, and
     each sample's next turn goes back to the replica that holds its history (the KV is reused)."""
+    from aimo_spec.recipe import CodeTags, SolverSpec
     from sandbox import Limits, SandboxConfig, SandboxPool
     from server.solver import Solver
     from server.tir import TIRClient
-    from aimo_spec.recipe import CodeTags, SolverSpec
 
     eng = engine_for(",".join(s.url for s in replicas), tiny_models)
     before = [s.metrics().get("aimo_prompt_tokens_total", 0) for s in replicas]
@@ -205,10 +206,10 @@ def test_a_replica_killed_mid_run_fails_over_then_a_clear_error(replicas, local,
         assert min(at_kill) < 300 and eng.replicas[1].failures >= 1  # some were cut on the dead one, and went on
         assert victim.proc.wait(timeout=10) == -signal.SIGKILL
         # the solver still answers with one replica gone
+        from aimo_spec.recipe import SolverSpec
         from sandbox import Limits, SandboxConfig, SandboxPool
         from server.solver import Solver
         from server.tir import TIRClient
-        from aimo_spec.recipe import SolverSpec
 
         with SandboxPool(SandboxConfig(limits=Limits(wall_seconds=3), pool_size=2)) as pool:
             client = TIRClient(eng, pool, sampling=SamplingParams(temperature=0.7, max_tokens=32))

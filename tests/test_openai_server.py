@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import signal
 import threading
-import time
 from typing import Any, Callable, Iterator
 
 import pytest
@@ -18,6 +17,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
 from openai_servers import ServerProcess, free_port, hang_guard, wait_for  # noqa: E402,F401
+
 from aimo_spec.protocol import Request, SamplingParams, collect  # noqa: E402
 
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from refusals import assert_refused
 
 from aimo_spec.recipe import RecipeError, load_recipe, parse_recipe
-from refusals import assert_refused
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -19,12 +19,22 @@ import uuid
 from pathlib import Path
 
 import pytest
+from sandbox_attack_kit import (  # noqa: F401
+    FAST,
+    ROOT,
+    SPINNER,
+    bounded,
+    detached_spinner,
+    healthy,
+    idle_worker,
+    pool,
+    session_uid,
+    survivors,
+    wait_gone,
+)
 
 from sandbox import SandboxConfig, SandboxPool, isolation
 from sandbox.worker import WorkerDied
-from sandbox_attack_kit import (FAST, ROOT, SPINNER, bounded, detached_spinner, healthy, idle_worker,  # noqa: F401
-                                pool, session_uid, survivors, wait_gone)
-
 
 # ---- 1. nothing a cell starts outlives its cell, its session or its pool
 

@@ -15,13 +15,12 @@ import textwrap
 import time
 
 import pytest
+from sandbox_attack_kit import FAST, ROOT, SPINNER, bounded, healthy, idle_worker, pool, session_uid  # noqa: F401
 
 from sandbox import SandboxConfig, SandboxPool, isolation
 from sandbox.config import Limits
 from sandbox.result import escape_controls
 from sandbox.slots import Slots
-from sandbox_attack_kit import FAST, ROOT, SPINNER, bounded, healthy, idle_worker, pool, session_uid  # noqa: F401
-
 
 # ---- 5. every pool cell starts from a clean state
 

@@ -8,13 +8,13 @@ import time
 from types import SimpleNamespace
 
 import pytest
-
 from engine_double import ScriptedEngine
+
+from aimo_spec.protocol import SamplingParams
+from aimo_spec.recipe import BudgetSpec, SolverSpec
 from sandbox import Limits, SandboxConfig, SandboxPool
 from server.budget import TimeBudget
-from aimo_spec.protocol import SamplingParams
 from server.solver import Solver, early_stop, entropy_weights, vote
-from aimo_spec.recipe import BudgetSpec, SolverSpec
 from server.tir import SampleTrace, TIRClient
 
 

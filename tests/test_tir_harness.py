@@ -7,12 +7,12 @@ import math
 import time
 
 import pytest
-
 from engine_double import ScriptedEngine
-from sandbox import Limits, SandboxConfig, SandboxPool
+
 from aimo_spec.protocol import SamplingParams
-from server.tir import TIRClient, open_code
 from aimo_spec.recipe import CodeTags, ServingSpec
+from sandbox import Limits, SandboxConfig, SandboxPool
+from server.tir import TIRClient, open_code
 
 QWEN = CodeTags()
 NEMOTRON = CodeTags("<tool_call>\n", "</tool_call>\n", "```output\n", "```\n")

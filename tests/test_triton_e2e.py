@@ -21,9 +21,10 @@ import pytest
 pytest.importorskip("tritonclient.grpc")
 pytest.importorskip("pytriton")
 
-from aimo_spec.protocol import Final, Request, SamplingParams, collect  # noqa: E402
 from hang_guard import fail_after  # noqa: E402
 from streams import cancel_after  # noqa: E402
+
+from aimo_spec.protocol import Final, Request, SamplingParams, collect  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TEST_SECONDS = 240  # no test here may hang CI: past this, stacks are dumped and the test fails
@@ -167,9 +168,9 @@ def test_stop_a_request_mid_stream_and_the_server_moves_on(engine):
 
 def test_solver_runs_tir_over_triton(server, tiny_models, tmp_path):
     """The solver, the TIR client and the sandbox, unchanged, over the triton backend."""
+    from aimo_spec.recipe import SolverSpec
     from sandbox import Limits, SandboxConfig, SandboxPool
     from server.solver import Solver
-    from aimo_spec.recipe import SolverSpec
     from server.tir import TIRClient
     from server.triton.engine import TritonEngine
 

@@ -16,15 +16,15 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 import trtllm_double as dbl
 from trtllm_command_double import FakeRunner, drafter_modules
+from trtllm_contract_kit import A100, H100, PY, drafter_folder, examples, flags, gpu_env, project  # noqa: F401
 from upstream import snapshot
+
+from aimo_spec.recipe import RecipeError
 from trtbuild import build as build_stage
 from trtbuild import manifest as mf
-from aimo_spec.recipe import RecipeError
 from trtbuild.trtllm.env import parse_nvidia_smi
-from trtllm_contract_kit import A100, H100, PY, drafter_folder, examples, flags, gpu_env, project  # noqa: F401
 
 
 # ------------------------------------------------------------------ build: commands and calls

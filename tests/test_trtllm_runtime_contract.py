@@ -12,14 +12,13 @@ import json
 from pathlib import Path
 
 import pytest
-
 import trtllm_double as dbl
 from trtllm_command_double import FakeRunner
+from trtllm_contract_kit import drafter_folder, engine_dir, examples, gpu_env, open_engine, project, run  # noqa: F401
 from upstream import snapshot
+
 from aimo_spec.protocol import Delta, Final, Request, SamplingParams, collect
 from trtbuild import build as build_stage
-from trtllm_contract_kit import (drafter_folder, engine_dir, examples, gpu_env, open_engine,  # noqa: F401
-                                 project, run)
 
 
 # ------------------------------------------------------------------ the runtime over the executor

@@ -16,9 +16,9 @@ import time
 import traceback
 from pathlib import Path
 
+from aimo_spec.recipe import Recipe, RecipeError, load_recipe
 from trtbuild import manifest as mf
 from trtbuild import stages
-from aimo_spec.recipe import Recipe, RecipeError, load_recipe
 
 STAGES = stages.NAMES
 

@@ -18,7 +18,6 @@ from typing import Callable
 from aimo_spec.chat import output_block
 from aimo_spec.recipe import CodeTags
 
-
 VERSION = 1  # bump when the traces or the fine-tune (tir_finetune.py) change for the same recipe
 
 

@@ -18,10 +18,10 @@ from typing import Any
 import torch
 
 from aimo_spec.chat import encode, load_tokenizer, render_prompt
+from aimo_spec.recipe import CodeTags, TIRFinetuneSource
 from server.embedded.loader import load_model, use_all_cores
 from server.embedded.settings import resolve_device
 from trtbuild.manifest import log
-from aimo_spec.recipe import CodeTags, TIRFinetuneSource
 from trtbuild.tir_data import Trace, make_traces
 
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -30,8 +30,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from server.embedded.qlinear import Int8WeightOnlyLinear
 from server.embedded.base_runner import BaseRunner, Draft
+from server.embedded.qlinear import Int8WeightOnlyLinear
 
 MIN_CONTEXT_BUCKET = 256
 

@@ -17,8 +17,16 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from server.evaluate import (budget_curve, markdown, parse_tool_settings, plots, run_variant, summarize, variant_dirs,
-                             with_tool_setting)
+from server.evaluate import (
+    budget_curve,
+    markdown,
+    parse_tool_settings,
+    plots,
+    run_variant,
+    summarize,
+    variant_dirs,
+    with_tool_setting,
+)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -38,11 +46,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     import os
     import platform
 
+    from aimo_spec.recipe import RecipeError, load_recipe
     from server.assembly import sandbox_for
     from server.embedded.engine import EmbeddedEngine
     from server.embedded.settings import serving_settings
     from server.problems import log, read_problems
-    from aimo_spec.recipe import RecipeError, load_recipe
 
     try:
         recipe = load_recipe(args.recipe)

@@ -33,8 +33,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--python-version", default=KAGGLE_PYTHON,
                     help=f"the Python of the Kaggle image the wheels are for (default {KAGGLE_PYTHON}, Kaggle's)")
     args = ap.parse_args(argv)
-    from server.engine_check import EngineFolderError
     from aimo_spec.recipe import RecipeError, load_recipe
+    from server.engine_check import EngineFolderError
 
     try:
         recipe = load_recipe(args.recipe)

@@ -23,11 +23,19 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from aimo_spec.chat import load_tokenizer
 from aimo_spec.protocol import FINISH_REASONS, FinishReason, SamplingParams
 from server.stream import EngineBase, RequestStream
-from server.triton.interface import (INPUTS, KEY_PARAMETER, MODEL, STOP_PARAMETER, TRTLLM_INPUTS, TRTLLM_MODEL,
-                                     TRTLLM_STOP_INPUTS, Field)
-from aimo_spec.chat import load_tokenizer
+from server.triton.interface import (
+    INPUTS,
+    KEY_PARAMETER,
+    MODEL,
+    STOP_PARAMETER,
+    TRTLLM_INPUTS,
+    TRTLLM_MODEL,
+    TRTLLM_STOP_INPUTS,
+    Field,
+)
 
 CANCEL_GRACE_SECONDS = 5.0
 

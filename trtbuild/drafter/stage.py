@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from aimo_spec.recipe import Recipe
 from trtbuild import manifest as mf
 from trtbuild import stages
-from aimo_spec.recipe import Recipe
 
 VERSION = 1  # bump when the output of this stage changes for the same inputs
 STAGE = "drafter"

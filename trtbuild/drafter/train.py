@@ -18,10 +18,10 @@ from typing import Any, Callable
 import torch
 from torch.nn import functional as F
 
-from trtbuild.drafter.data import Sequence
+from aimo_spec.recipe import DrafterTrainSpec
 from server.embedded.redrafter import DrafterConfig, ReDrafter
 from server.embedded.settings import resolve_device
-from aimo_spec.recipe import DrafterTrainSpec
+from trtbuild.drafter.data import Sequence
 
 
 @dataclass

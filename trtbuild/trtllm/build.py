@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from aimo_spec.recipe import Recipe
 from trtbuild import manifest as mf
 from trtbuild import stages
-from aimo_spec.recipe import Recipe
 from trtbuild.trtllm.convert import ensure_exclusion_list
 from trtbuild.trtllm.env import TrtllmEnv
 from trtbuild.trtllm.preflight import drafter_dir
