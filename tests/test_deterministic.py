@@ -120,7 +120,8 @@ def test_a_continuation_is_the_same_whether_or_not_its_history_is_still_cached(d
 def test_reuse_and_chunk_rules():
     c = deterministic.CHUNK
     assert deterministic.whole_chunks(c - 1) == 0 and deterministic.whole_chunks(2 * c + 5) == 2 * c
-    assert deterministic.whole_chunks(c) == c and deterministic.whole_chunks(c + 3) == c and deterministic.whole_chunks(3) == 0
+    assert (deterministic.whole_chunks(c) == c and deterministic.whole_chunks(c + 3) == c
+            and deterministic.whole_chunks(3) == 0)
 
 
 def test_decode_rows_equals_each_row_decoded_alone(model_and_tokenizer):

@@ -263,7 +263,8 @@ def test_solve_end_to_end_on_the_built_engine(qwen_build, tmp_path, capsys):
     eng = EmbeddedEngine.from_dir(qwen_build.out_dir / "build" / "embedded")
 
     async def greedy():
-        async for ev in eng.generate(Request(eng.chat_prompt("What is 6 times 7?"), SamplingParams(temperature=0, max_tokens=48))):
+        async for ev in eng.generate(Request(eng.chat_prompt("What is 6 times 7?"),
+                                             SamplingParams(temperature=0, max_tokens=48))):
             if isinstance(ev, Final):
                 return ev.text
     text = asyncio.run(greedy())

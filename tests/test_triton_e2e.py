@@ -178,7 +178,8 @@ def test_solver_runs_tir_over_triton(server, tiny_models, tmp_path):
     try:
         with SandboxPool(SandboxConfig(limits=Limits(wall_seconds=3), pool_size=2)) as pool:
             client = TIRClient(eng, pool, sampling=SamplingParams(temperature=0.7, max_tokens=48))
-            solver = Solver(eng, client, SolverSpec(samples=4, early_stop_first=3, early_stop_agree=2, enough_finished=4))
+            solver = Solver(eng, client, SolverSpec(samples=4, early_stop_first=3, early_stop_agree=2,
+                                                    enough_finished=4))
             result = run(solver.solve("p", "What is 6 times 7?", deadline=time.monotonic() + 90))
     finally:
         eng.shutdown()
@@ -239,7 +240,8 @@ def stream_infer(server: Server, values: dict, timeout: float = 60.0) -> tuple[l
                 errors.append(str(error))
                 break
             response = result.get_response()
-            if response.parameters.get("triton_final_response") and response.parameters["triton_final_response"].bool_param:
+            if (response.parameters.get("triton_final_response")
+                    and response.parameters["triton_final_response"].bool_param):
                 break
             outputs.append(result)
         return outputs, errors

@@ -124,7 +124,8 @@ def test_deploy_without_a_trtllm_engine_says_what_to_build(tiny_models, tmp_path
 # ------------------------------------------------------------------ issue 17: what upstream's templates need
 def test_fill_template_defaults_are_upstreams():
     """tools/fill_template.py fills these in every template unless told otherwise."""
-    assert getattr(repository, 'FILL_TEMPLATE_DEFAULTS', None) == {k: str(v) for k, v in snapshot()["triton"]["fill_template_defaults"].items()}
+    assert getattr(repository, 'FILL_TEMPLATE_DEFAULTS', None) == {
+        k: str(v) for k, v in snapshot()["triton"]["fill_template_defaults"].items()}
 
 
 def filled(tmp_path: Path, model: str) -> tuple[str, dict]:

@@ -183,7 +183,8 @@ def run(recipe: Recipe) -> Path:
                     ref_model, tok, quality_prompts(recipe, tok), recipe.quality.max_new_tokens)}
             reference = ref
             stages.produce(f"{STAGE}/{fmt}", final, fps[fmt],
-                           lambda tmp, fmt=fmt, final=final: _quantize_one(recipe, fmt, merged_dir, final, tmp, reference))
+                           lambda tmp, fmt=fmt, final=final: _quantize_one(recipe, fmt, merged_dir, final, tmp,
+                                                                           reference))
         results[fmt] = mf.read_manifest(final)
     stages.summarize(
         STAGE, out, stage_fp, started, merged_bytes=mf.dir_size(merged_dir),

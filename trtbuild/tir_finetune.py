@@ -58,7 +58,8 @@ def _batch_loss(model: Any, batch: list[tuple[list[int], int]], pad_id: int) -> 
     return torch.nn.functional.cross_entropy(logits, labels)
 
 
-def finetune(spec: TIRFinetuneSource, base_dir: Path, out_dir: Path, tags: CodeTags, system_prompt: str | None) -> dict[str, Any]:
+def finetune(spec: TIRFinetuneSource, base_dir: Path, out_dir: Path, tags: CodeTags,
+             system_prompt: str | None) -> dict[str, Any]:
     from peft import LoraConfig, get_peft_model
 
     use_all_cores()

@@ -121,7 +121,8 @@ class Predictor:
         try:
             self.engine = self.engine_factory()
         except Exception as e:  # noqa: BLE001 - said once, clearly, by the caller's error
-            raise EngineStartError(f"the engine in {self.engine_dir} could not be loaded: {type(e).__name__}: {e}") from e
+            raise EngineStartError(f"the engine in {self.engine_dir} could not be loaded: "
+                                   f"{type(e).__name__}: {e}") from e
         finally:
             done.set()
         self.log(f"engine {self.spec.get('backend')} loaded in {time.monotonic() - t0:.1f}s")
@@ -195,7 +196,8 @@ class Predictor:
             while True:
                 attempt += 1
                 try:
-                    result = asyncio.run(self._solver().solve(f"{pid}#{attempt}" if attempt > 1 else pid, text, deadline))
+                    result = asyncio.run(self._solver().solve(f"{pid}#{attempt}" if attempt > 1 else pid, text,
+                                                              deadline))
                     answer = result.answer
                     engine_failed = bool(result.traces) and all(t.finish == "error" for t in result.traces)
                     self.log(f"{pid}: answer {answer} (votes {dict(result.votes)}, {result.finished} finished, "

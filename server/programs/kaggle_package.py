@@ -25,7 +25,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--wheels", choices=("project", "runtime"), default="runtime")
     ap.add_argument("--competition", choices=("aimo3", "aimo2"), default=None,
                     help="default: the recipe's kaggle.competition")
-    ap.add_argument("--dataset-name", default="aimo-trt", help="the Kaggle dataset's name (slug) the notebook looks for")
+    ap.add_argument("--dataset-name", default="aimo-trt",
+                    help="the Kaggle dataset's name (slug) the notebook looks for")
     ap.add_argument("--backend", choices=("auto", "embedded", "trtllm"), default="auto",
                     help="auto: the trtllm engine when one was built, else the embedded one")
     ap.add_argument("--trtllm-wheels", type=Path, default=None,
