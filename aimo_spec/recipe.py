@@ -1,8 +1,8 @@
 """Read and check a recipe: `engines/<model>.yaml` -> validated, typed `Recipe`.
 
 The shapes are in `aimo_spec.schema` and re-exported here, so a caller imports a recipe's types and
-its loader from one place. Every stage, the server and the tests read a recipe through `load_recipe`, so a bad key, type,
-value or path fails once, early, with one line naming the file, the dotted key and the value.
+its loader from one place. Every stage, the server and the tests read a recipe through `load_recipe`,
+so a bad key, type, value or path fails once, early, with one line naming the file, the dotted key and the value.
 Only the standard library and pyyaml are used here: the bottom floor must import anywhere.
 """
 
@@ -19,10 +19,30 @@ from typing import Any, Literal, Union
 import yaml
 
 from aimo_spec.schema import (  # noqa: F401 (re-exported: callers import the shapes from here)
-    HFSource, GGUFPackageSource, TIRFinetuneSource, Source, MergeSpec, CalibrationSpec,
-    QuantFormat, QuantizeSpec, DrafterTrainSpec, DrafterSpec, BuildSpec, TrtllmSpec, QualitySpec,
-    CodeTags, SamplingSpec, ToolSpec, SolverSpec, BudgetSpec, SpeculativeSpec, ServingSpec,
-    ANSWER_RANGES, KaggleSpec, Recipe, to_data,
+    ANSWER_RANGES,
+    BudgetSpec,
+    BuildSpec,
+    CalibrationSpec,
+    CodeTags,
+    DrafterSpec,
+    DrafterTrainSpec,
+    GGUFPackageSource,
+    HFSource,
+    KaggleSpec,
+    MergeSpec,
+    QualitySpec,
+    QuantFormat,
+    QuantizeSpec,
+    Recipe,
+    SamplingSpec,
+    ServingSpec,
+    SolverSpec,
+    Source,
+    SpeculativeSpec,
+    TIRFinetuneSource,
+    ToolSpec,
+    TrtllmSpec,
+    to_data,
 )
 
 
@@ -214,7 +234,8 @@ def _check(recipe: Recipe, where: str, check_paths: bool) -> None:
     if v.samples < 1:
         fail("serving.solver.samples", "must be >= 1", v.samples)
     if not (1 <= v.early_stop_agree <= v.early_stop_first):
-        fail("serving.solver.early_stop_agree", f"must be in 1..early_stop_first ({v.early_stop_first})", v.early_stop_agree)
+        fail("serving.solver.early_stop_agree", f"must be in 1..early_stop_first ({v.early_stop_first})",
+             v.early_stop_agree)
     if not (1 <= v.enough_finished <= v.samples):
         fail("serving.solver.enough_finished", f"must be in 1..samples ({v.samples})", v.enough_finished)
     if v.modulus is not None and v.modulus < 2:
@@ -276,7 +297,8 @@ def load_recipe(path: str | Path, check_paths: bool = True) -> Recipe:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         line = raw[:e.start].count(b"\n") + 1
-        raise RecipeError(f"{p}: line {line}: not UTF-8 (byte 0x{raw[e.start]:02x}); save the recipe as UTF-8") from None
+        raise RecipeError(f"{p}: line {line}: not UTF-8 (byte 0x{raw[e.start]:02x}); "
+                          "save the recipe as UTF-8") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:

@@ -314,7 +314,8 @@ class Recipe:
 
 def to_data(obj: Any) -> Any:
     if dataclasses.is_dataclass(obj):
-        return {f.name: to_data(getattr(obj, f.name)) for f in dataclasses.fields(obj) if not f.metadata.get("internal")}
+        return {f.name: to_data(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+                if not f.metadata.get("internal")}
     if isinstance(obj, dict):
         return {k: to_data(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):

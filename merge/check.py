@@ -41,7 +41,8 @@ def _ulp(x: Any, dtype: Any) -> Any:
     return torch.ldexp(torch.ones_like(x), e - bits).clamp_min(torch.finfo(dtype).tiny)
 
 
-def check_arithmetic(merged_dir: Path, source_dirs: dict[str, Path], weights: dict[str, float], n: int, seed: int = 0) -> dict[str, Any]:
+def check_arithmetic(merged_dir: Path, source_dirs: dict[str, Path], weights: dict[str, float], n: int,
+                     seed: int = 0) -> dict[str, Any]:
     """Max error of merged vs the fp32 weighted sum, in absolute terms and in output-dtype ulps."""
     import torch
 

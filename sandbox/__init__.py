@@ -5,7 +5,7 @@ harness down. Standard library only on the host side.
 
 from sandbox.config import DEFAULT_PREIMPORTS, Limits, SandboxConfig
 from sandbox.pool import SandboxPool
-from sandbox.session import Session
 from sandbox.result import CellResult, Stream
+from sandbox.session import Session
 
 __all__ = ["CellResult", "DEFAULT_PREIMPORTS", "Limits", "SandboxConfig", "SandboxPool", "Session", "Stream"]

@@ -1,9 +1,9 @@
 """The process that supervises model-written code. Started by sandbox/worker.py, one per pool slot or session.
 
 It is deliberately one self-contained file: it runs as `python -I -c <this file>`, so it needs
-neither the project on its path nor the project folder inside the sandbox's root. Protocol: one JSON line per request on fd 0, one JSON line per reply on fd 1; every
-request carries an `id` that its reply echoes. Both are moved to private descriptors at start, and
-0/1/2 then point at /dev/null.
+neither the project on its path nor the project folder inside the sandbox's root. Protocol: one
+JSON line per request on fd 0, one JSON line per reply on fd 1; every request carries an `id` that
+its reply echoes. Both are moved to private descriptors at start, and 0/1/2 then point at /dev/null.
 
 This process never runs model code itself. It is the namespace's pid 1 and stays root; every cell
 runs in a child that drops to the slot's uid, closes the channel and gets its rlimits. So a cell
@@ -571,7 +571,8 @@ def _session_child(req_fd, status_fd, glob):
 
     # The channel thread makes every session multi-threaded: Python 3.12+ would warn at each fork()
     # a cell makes that it "may lead to deadlocks" (it cannot here: that thread holds no lock a child needs).
-    warnings.filterwarnings("ignore", message=r"This process \(pid=\d+\) is multi-threaded", category=DeprecationWarning)
+    warnings.filterwarnings("ignore", message=r"This process \(pid=\d+\) is multi-threaded",
+                            category=DeprecationWarning)
     cells, statuses = queue.SimpleQueue(), queue.SimpleQueue()
     private = threading.Event()
 

@@ -106,7 +106,8 @@ def pids_available() -> tuple[str | None, str, str]:
         try:
             os.mkdir(probe)
             try:
-                ok = _write(os.path.join(probe, "pids.max"), "max") and os.path.isfile(os.path.join(probe, "pids.events"))
+                ok = (_write(os.path.join(probe, "pids.max"), "max")
+                      and os.path.isfile(os.path.join(probe, "pids.events")))
             finally:
                 os.rmdir(probe)
         except OSError as e:
@@ -223,7 +224,8 @@ class CellGroup:
 
     def peak(self) -> int:
         """Highest usage seen (v1 always; v2 where the kernel has memory.peak); 0 if unknown."""
-        return _read_int(os.path.join(self.path, "memory.peak" if self.version == "v2" else "memory.max_usage_in_bytes"))
+        return _read_int(os.path.join(self.path,
+                                      "memory.peak" if self.version == "v2" else "memory.max_usage_in_bytes"))
 
     def limit_memory(self, extra_bytes: int) -> bool:
         """Cap the group at what the warm worker uses now plus `extra_bytes`, swap included."""

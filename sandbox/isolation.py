@@ -45,7 +45,8 @@ KEEP = "/.keep"  # root-only folder on the new root: runtime dirs to bind again 
 
 def _runtime_dirs(python: str = "") -> list[str]:
     """Folders the cell's interpreter must read: its prefixes and package folders, as real paths."""
-    paths = {sys.base_prefix, sys.prefix, *(sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib"))}
+    paths = {sys.base_prefix, sys.prefix,
+             *(sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib"))}
     if python:
         paths.add(os.path.dirname(os.path.dirname(os.path.realpath(python))))
     return sorted(os.path.realpath(p) for p in paths if os.path.isdir(p))
@@ -128,10 +129,12 @@ def mount_script(python: str = "") -> str:
         lines.append(f"ln -s {target} {r}/dev/{name}")
     for t in PRIVATE_TMP:
         mode = "755" if t == "/run" else "1777"
-        lines += [f"mkdir -p {r}{t}", f"mount -t tmpfs -o size=${{SANDBOX_TMPFS_MB}}m,mode={mode},nosuid,nodev,noatime tmpfs {r}{t}"]
+        lines += [f"mkdir -p {r}{t}",
+                  f"mount -t tmpfs -o size=${{SANDBOX_TMPFS_MB}}m,mode={mode},nosuid,nodev,noatime tmpfs {r}{t}"]
     keep = dict((dst, src) for src, dst in rebinds(python))
     for src, dst in _binds(python):
-        lines += [f"mkdir -p {r}{q(dst)}", f"mount --bind {q(src)} {r}{q(dst)}", f"mount -o remount,bind,ro {r}{q(dst)}"]
+        lines += [f"mkdir -p {r}{q(dst)}", f"mount --bind {q(src)} {r}{q(dst)}",
+                  f"mount -o remount,bind,ro {r}{q(dst)}"]
         if dst in keep:
             k = keep[dst]
             lines += [f"mkdir -p {r}{k}", f"mount --bind {q(src)} {r}{k}", f"mount -o remount,bind,ro {r}{k}"]
@@ -163,7 +166,8 @@ def probe() -> tuple[str, str]:
         return "none", f"unshare failed: {e}"
     if r.returncode != 0:
         return "none", f"unshare failed: {r.stderr.decode(errors='replace').strip()[:200]}"
-    return "namespaces", "unshare: net + pid + ipc + mount namespaces, new root" + (", uid drop" if os.geteuid() == 0 else ", user namespace")
+    return "namespaces", ("unshare: net + pid + ipc + mount namespaces, new root"
+                          + (", uid drop" if os.geteuid() == 0 else ", user namespace"))
 
 
 def _unshare_argv(unshare: str) -> list[str]:

@@ -45,7 +45,8 @@ class Stream:
         n_tail = keep - len(head)
         tail = tail_src[len(tail_src) - n_tail:] if n_tail > 0 else ""
         # bytes of the stream not shown: the omitted middle plus what was cut of head and tail
-        dropped = self.total - _raw_bytes(self.head, head_src, len(head)) - _raw_bytes(self.tail, tail_src, len(tail), end=True)
+        dropped = (self.total - _raw_bytes(self.head, head_src, len(head))
+                   - _raw_bytes(self.tail, tail_src, len(tail), end=True))
         return f"{head}\n[... {dropped} bytes omitted ...]\n{tail}"
 
     @classmethod
@@ -86,7 +87,8 @@ class CellResult:
         notices = []
         err = ""
         if self.status == "timeout":
-            notices.append(f"TimeoutError: the code ran longer than the time limit ({self.seconds:.1f}s) and was stopped")
+            notices.append(f"TimeoutError: the code ran longer than the time limit ({self.seconds:.1f}s) "
+                           "and was stopped")
         elif self.status == "killed":
             why = ": ".join(p for p in (self.signal, self.reason) if p) or "cause unknown"
             notices.append(f"The process was killed ({why})")

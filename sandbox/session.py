@@ -130,7 +130,8 @@ class Session:
         except Exception as e:  # noqa: BLE001 - e.g. the session was closed under it
             if not self._closed:
                 self._history = []
-                self._restore_note = f"[the python session could not be restored ({type(e).__name__}); its variables are gone]"
+                self._restore_note = (f"[the python session could not be restored ({type(e).__name__}); "
+                                      "its variables are gone]")
 
     def _rebuild(self, history: list[tuple[str, float]], fresh_worker: bool) -> None:
         """Bring back the state of `history` within the replay budget; record what could not be."""
@@ -139,7 +140,8 @@ class Session:
         while True:
             if not self._fresh_interpreter(fresh_worker):
                 self._history, self._restore_note = [], (
-                    f"[the python session could not be restored; the variables of {len(history)} earlier cell(s) are gone]")
+                    f"[the python session could not be restored; the variables of {len(history)} earlier cell(s) "
+                    "are gone]")
                 return
             done, crashed = self._replay(target, budget_end)
             if done == len(target) or not crashed:
@@ -179,7 +181,8 @@ class Session:
                 reply = w.request({"op": "run", "code": code, "timeout": min(timeout, left)}, min(timeout, left))
             except WorkerDied:
                 return i, True
-            w.new_oom_kills(), w.new_task_limit_hits()  # the replayed cell's, reported with it already: not the next cell's
+            # the replayed cell's, reported with it already: not the next cell's
+            w.new_oom_kills(), w.new_task_limit_hits()
             if reply.get("crashed") or not reply["clean"]:
                 return i, True
             if reply["status"]["kind"] == "timeout":

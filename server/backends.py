@@ -8,7 +8,9 @@
 | embedded | `server.embedded.engine`        | an embedded engine folder or an HF checkpoint |
 | trtllm   | `server.trtllm.engine`          | a TensorRT-LLM engine folder (its environment) |
 | triton   | `server.triton.engine`          | any Triton deployment of the ensemble interface |
-| openai   | `server.openai.engine`          | any OpenAI-compatible server (trtllm-serve, vLLM, SGLang, `make serve`); several URLs: replicas |
+| openai   | `server.openai.engine`          | any OpenAI-compatible server (trtllm-serve, vLLM, SGLang, `make serve`) |
+
+`openai` takes several URLs as replicas.
 
 `auto` has one meaning everywhere (build and serving): TensorRT-LLM where this machine can use it,
 else embedded. For serving, "can use" is "a trtllm engine folder was built and this python imports

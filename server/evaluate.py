@@ -152,7 +152,8 @@ def plots(report: dict[str, Any], out: Path) -> list[str]:
     for n in names:
         c = report["variants"][n]["budget_curve"]
         ax.plot(report["budget_grid"], c, label=n)
-    ax.set_xlabel("seconds per problem (all samples launched together)"), ax.set_ylabel("accuracy (majority of finished)")
+    (ax.set_xlabel("seconds per problem (all samples launched together)"),
+     ax.set_ylabel("accuracy (majority of finished)"))
     ax.set_title("Accuracy vs wall-clock budget"), ax.legend()
     fig.tight_layout(), fig.savefig(out / "accuracy_vs_budget.png", dpi=110), plt.close(fig)
     files.append("accuracy_vs_budget.png")
@@ -200,7 +201,8 @@ def tool_error_lines(summaries: dict[str, dict[str, Any]], names: list[str], top
         for kind, count, _ in summaries[n].get("tool_error_kinds", []):
             totals[kind] = totals.get(kind, 0) + count
     if not totals:
-        return ["No tool errors (" + ", ".join(f"{n}: {summaries[n].get('code_calls', 0)} code calls" for n in names) + ")."]
+        return ["No tool errors ("
+                + ", ".join(f"{n}: {summaries[n].get('code_calls', 0)} code calls" for n in names) + ")."]
     lines = ["Tool errors by kind, count (share of code calls):", "",
              "| kind | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     for kind in sorted(totals, key=lambda k: (-totals[k], k))[:top]:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from server.budget import TimeBudget
-from server.solver import SolveResult, Solver
+from server.solver import Solver, SolveResult
 
 
 @dataclass(frozen=True)
@@ -164,7 +164,8 @@ class RunReport:
         }
 
     def table(self) -> str:
-        head = f"{'id':<12} {'answer':>8} {'expected':>8} {'ok':>3} {'votes':<22} {'secs':>6} {'fin':>3} {'canc':>4} {'calls':>5} {'stop':<8}"
+        head = (f"{'id':<12} {'answer':>8} {'expected':>8} {'ok':>3} {'votes':<22} {'secs':>6} {'fin':>3} "
+                f"{'canc':>4} {'calls':>5} {'stop':<8}")
         lines = [head, "-" * len(head)]
         for r in self.results:
             votes = ",".join(f"{a}:{w:g}" for a, w in sorted(r.votes.items(), key=lambda kv: -kv[1])[:3]) or "-"
@@ -183,11 +184,14 @@ class RunReport:
         acc = f"{s['correct']}/{s['scored']} correct" if s["scored"] else "no answers to score"
         lanes_total = lanes["generation"] + lanes["tool"] + lanes["other"] or 1.0
         lines += ["-" * len(head),
-                  f"{acc}; {s['tokens']} tokens in {s['wall_seconds']:.1f} s = {s['tokens_per_second']:.1f} tok/s (whole run); "
+                  f"{acc}; {s['tokens']} tokens in {s['wall_seconds']:.1f} s = "
+                  f"{s['tokens_per_second']:.1f} tok/s (whole run); "
                   f"{s['code_calls']} code calls",
-                  f"sample time: generation {100 * lanes['generation'] / lanes_total:.1f}%, tool {100 * lanes['tool'] / lanes_total:.1f}%, "
+                  f"sample time: generation {100 * lanes['generation'] / lanes_total:.1f}%, "
+                  f"tool {100 * lanes['tool'] / lanes_total:.1f}%, "
                   f"other {100 * lanes['other'] / lanes_total:.1f}%; engine idle "
-                  + (f"{lanes['engine_idle']:.1f} s of {s['wall_seconds']:.1f} s wall" if lanes["engine_idle"] is not None
+                  + (f"{lanes['engine_idle']:.1f} s of {s['wall_seconds']:.1f} s wall"
+                     if lanes["engine_idle"] is not None
                      else "not known (the backend reports no engine statistics)")]
         return "\n".join(lines)
 

@@ -18,9 +18,9 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from aimo_spec.recipe import SolverSpec
 from server.budget import TimeBudget
 from server.solver import early_stop, entropy_weights, tally
-from aimo_spec.recipe import SolverSpec
 
 VOTES = ("majority", "entropy", "local_entropy")
 Sample = tuple[Optional[int], float, Optional[float], Optional[float]]  # answer, finished at, mean, local entropy

@@ -35,8 +35,8 @@ from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
 from aimo_spec.protocol import Engine
-from server.tir import SampleTrace, TIRClient
 from aimo_spec.recipe import SolverSpec
+from server.tir import SampleTrace, TIRClient
 
 FINISHED = ("stop", "length")  # the finish reasons of a sample that ended on its own
 CANCEL_GRACE = 30.0  # seconds a cancelled sample may take to report its end
@@ -129,7 +129,8 @@ def sample_entropy(trace: SampleTrace, method: str) -> Optional[float]:
     return trace.local_entropy if method == "local_entropy" else trace.mean_entropy
 
 
-def vote(traces: list[SampleTrace], method: str = "majority", cap: float = 4.0) -> tuple[Optional[int], dict[int, float]]:
+def vote(traces: list[SampleTrace], method: str = "majority",
+         cap: float = 4.0) -> tuple[Optional[int], dict[int, float]]:
     """(winner, weight per answer); traces in the order they ended (the tie rule uses it). Only
     samples with an answer enter the weights' median."""
     if method == "majority":
@@ -180,7 +181,8 @@ class Solver:
             attempts += 1
             ended += again
             why = tool_failure(again)
-        winner, weights = vote([t for t in ended if not t.tool_faults] or ended, self.config.vote, self.config.weight_cap)
+        winner, weights = vote([t for t in ended if not t.tool_faults] or ended, self.config.vote,
+                               self.config.weight_cap)
         return SolveResult(problem_id, self.config.default_answer if winner is None else winner, weights, rule,
                            time.monotonic() - t0, ended, expected, winner is None, attempts, lost)
 
@@ -210,7 +212,8 @@ class Solver:
         base_seed = zlib.crc32(f"{key}\n{problem}".encode()) % 100_000
         first = attempt * cfg.samples
         cancel = asyncio.Event()
-        tasks = {asyncio.ensure_future(self.client.run(prompt, first + i, base_seed + i, deadline, cancel, cfg.modulus)): i
+        tasks = {asyncio.ensure_future(self.client.run(prompt, first + i, base_seed + i, deadline, cancel,
+                                                       cfg.modulus)): i
                  for i in range(cfg.samples)}
         ended: list[SampleTrace] = []
         finished_answers: list[Optional[int]] = []

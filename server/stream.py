@@ -17,9 +17,9 @@ import asyncio
 import time
 from typing import Any, AsyncIterator, Optional, Sequence
 
+from aimo_spec.chat import encode, render_prompt
 from aimo_spec.protocol import Delta, Event, Final, FinishReason, Request, stream_events
 from server.textstream import IncrementalDetokenizer, StopMatcher
-from aimo_spec.chat import encode, render_prompt
 
 Logprobs = Optional[tuple[tuple[tuple[int, float], ...], ...]]
 

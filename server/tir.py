@@ -26,11 +26,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
+from aimo_spec.chat import output_block
+from aimo_spec.protocol import Delta, Engine, Final, Request, SamplingParams
+from aimo_spec.recipe import CodeTags, ServingSpec, SolverSpec
 from server.answers import boxed_span, last_boxed, normalize
 from server.toolerrors import error_kind
-from aimo_spec.chat import output_block
-from aimo_spec.recipe import CodeTags, ServingSpec, SolverSpec
-from aimo_spec.protocol import Delta, Engine, Final, Request, SamplingParams
 
 
 @dataclass
@@ -113,7 +113,8 @@ def open_code(turn_text: str, tags: CodeTags) -> Optional[str]:
 
 
 class TIRClient:
-    def __init__(self, engine: Engine, sandbox: Any, tags: CodeTags = CodeTags(), sampling: SamplingParams = SamplingParams(),
+    def __init__(self, engine: Engine, sandbox: Any, tags: CodeTags = CodeTags(),
+                 sampling: SamplingParams = SamplingParams(),
                  max_code_calls: int = 4, output_chars: int = 1000, tool_seconds: float = 10.0,
                  stateful: bool = True, top_logprobs: int = 0, record_tokens: bool = False,
                  code_limit_notice: str = ServingSpec.code_limit_notice,
@@ -194,7 +195,8 @@ class TIRClient:
         return trace
 
     async def _turn(self, request: Request, trace: SampleTrace, cancelled: asyncio.Event,
-                    token_entropy: list[tuple[int, float]], base: int, starter: Optional["SessionStart"] = None) -> Final:
+                    token_entropy: list[tuple[int, float]], base: int,
+                    starter: Optional["SessionStart"] = None) -> Final:
         """Stream one request; the cancel event ends it early (its Final still arrives). Each token's
         entropy goes to `token_entropy` with the text offset its delta ends at (`base` + this turn's text);
         the first delta begins `starter` (the sample's session)."""
@@ -226,7 +228,8 @@ class TIRClient:
                             trace.entropy_count += 1
                             token_entropy.append((offset, h))
         except StopAsyncIteration:
-            return Final(request.request_id, "error", "", (), len(request.prompt), error="stream ended without a final message")
+            return Final(request.request_id, "error", "", (), len(request.prompt),
+                         error="stream ended without a final message")
         finally:
             watcher.cancel()
             await stream.aclose()
@@ -272,7 +275,8 @@ class TIRClient:
             result = task.result()
         except Exception as e:  # the sandbox itself failed: tell the model, keep the harness up
             trace.code_calls.append(ToolCall(code, "error", time.monotonic() - t0, f"sandbox error: {e}",
-                                             f"sandbox: {type(e).__name__}", fault=f"sandbox error: {type(e).__name__}: {e}"))
+                                             f"sandbox: {type(e).__name__}",
+                                             fault=f"sandbox error: {type(e).__name__}: {e}"))
             return self.output_block(f"sandbox error: {type(e).__name__}")
         feedback = result.feedback(self.output_chars)
         cut = result.stdout.truncated or result.stderr.truncated or len(feedback) < len(result.feedback(1 << 30))
@@ -320,7 +324,8 @@ class SessionStart:
             s.close()
 
 
-def local_entropy(token_entropy: list[tuple[int, float]], span: Optional[tuple[int, int]], window: int) -> Optional[float]:
+def local_entropy(token_entropy: list[tuple[int, float]], span: Optional[tuple[int, int]],
+                  window: int) -> Optional[float]:
     """Mean entropy of the `window` generated tokens that end where the boxed answer ends (the
     tokens that wrote the answer and the lead-up to it); None without logprobs or a boxed answer."""
     if span is None or not token_entropy:

@@ -35,7 +35,8 @@ def exception_kind(stderr: str) -> str:
     """The kind of the python error text `stderr` (its last exception line)."""
     _, exc = split_error(stderr.strip())
     line = exc.split("\n", 1)[0]
-    for pattern, fmt in ((_NAME, "NameError: {}"), (_MODULE, "ImportError: {}"), (_IMPORT_NAME, "ImportError: {1}.{0}")):
+    for pattern, fmt in ((_NAME, "NameError: {}"), (_MODULE, "ImportError: {}"),
+                         (_IMPORT_NAME, "ImportError: {1}.{0}")):
         m = pattern.match(line)
         if m:
             return fmt.format(*m.groups())

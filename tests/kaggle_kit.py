@@ -9,8 +9,9 @@ import shutil
 from pathlib import Path
 
 from small_recipes import write_recipe
-from trtbuild.build import engine_config
+
 from aimo_spec.recipe import ServingSpec, load_recipe, parse_section
+from trtbuild.build import engine_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -13,9 +13,9 @@ import asyncio
 import pytest
 import torch
 
+from aimo_spec.protocol import Request, SamplingParams, collect
 from server.embedded import deterministic
 from server.embedded.engine import EmbeddedEngine
-from aimo_spec.protocol import Request, SamplingParams, collect
 
 
 def texts(tok, n: int) -> list[str]:
@@ -47,8 +47,8 @@ DEVICES = [("cpu", torch.float32)] + ([("cuda", torch.float32), ("cuda", torch.b
 
 @pytest.fixture(scope="module")
 def model_and_tokenizer(tiny_models):
-    from server.embedded.loader import load_model
     from aimo_spec.chat import load_tokenizer
+    from server.embedded.loader import load_model
 
     path = tiny_models["qwen-tir"]
     return load_model(path).float(), load_tokenizer(path)
@@ -120,7 +120,8 @@ def test_a_continuation_is_the_same_whether_or_not_its_history_is_still_cached(d
 def test_reuse_and_chunk_rules():
     c = deterministic.CHUNK
     assert deterministic.whole_chunks(c - 1) == 0 and deterministic.whole_chunks(2 * c + 5) == 2 * c
-    assert deterministic.whole_chunks(c) == c and deterministic.whole_chunks(c + 3) == c and deterministic.whole_chunks(3) == 0
+    assert (deterministic.whole_chunks(c) == c and deterministic.whole_chunks(c + 3) == c
+            and deterministic.whole_chunks(3) == 0)
 
 
 def test_decode_rows_equals_each_row_decoded_alone(model_and_tokenizer):

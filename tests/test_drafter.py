@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 
+from server.embedded.redrafter import DrafterConfig, ReDrafter
 from trtbuild.drafter import acceptance
 from trtbuild.drafter import train as dtrain
 from trtbuild.drafter.data import Sequence
-from server.embedded.redrafter import DrafterConfig, ReDrafter
 
 # The tensor names examples/redrafter/convert_checkpoint.py (TensorRT-LLM 1.2.x) reads from the drafter
 # folder, for 2 residual blocks: input_proj only when exit_dim != 2 * hidden_size.
@@ -21,8 +21,8 @@ CONVERTER_NAMES = {"lm_head.0.linear.weight", "lm_head.0.linear.bias", "lm_head.
 
 @pytest.fixture(scope="module")
 def target(tiny_models):
-    from server.embedded.loader import load_model
     from aimo_spec.chat import load_tokenizer
+    from server.embedded.loader import load_model
 
     return load_model(tiny_models["llama-tir"]), load_tokenizer(tiny_models["llama-tir"])
 
@@ -36,7 +36,8 @@ def greedy_sequences(model, tok, n=3, new=24) -> list[Sequence]:
         ids = list(prompt)
         with torch.no_grad():
             for _ in range(new):  # greedy, by full forwards (the reference numerics)
-                ids.append(int(model(input_ids=torch.tensor([ids], device=dtrain.device_of(model))).logits[0, -1].argmax()))
+                ids.append(int(model(input_ids=torch.tensor([ids], device=dtrain.device_of(model)))
+                               .logits[0, -1].argmax()))
         out.append(Sequence(ids, [False] * len(prompt) + [True] * new, text, "length"))
     return out
 
@@ -49,7 +50,8 @@ def test_export_has_the_converters_names_shapes_and_dtypes(target, tmp_path):
     model, _ = target
     h, v = model.config.hidden_size, model.config.vocab_size
     for exit_dim, with_proj in ((h, True), (2 * h, False)):
-        d = ReDrafter(DrafterConfig(hidden_size=h, vocab_size=v, exit_dim=exit_dim, num_draft_layers=2, trained_draft_len=3))
+        d = ReDrafter(DrafterConfig(hidden_size=h, vocab_size=v, exit_dim=exit_dim, num_draft_layers=2,
+                                    trained_draft_len=3))
         out = dtrain.export(d, tmp_path / f"d{exit_dim}")
         with safe_open(str(out / "model.safetensors"), framework="pt") as f:
             shapes = {k: (tuple(f.get_tensor(k).shape), f.get_tensor(k).dtype) for k in f.keys()}
@@ -59,7 +61,8 @@ def test_export_has_the_converters_names_shapes_and_dtypes(target, tmp_path):
         e = exit_dim
         assert shapes["lm_head.0.linear.weight"][0] == (e, e) and shapes["lm_head.1.linear.bias"][0] == (e,)
         assert shapes["lm_head.2.weight"][0] == (v, e)
-        assert shapes["rnn_u.weight"][0] == (h, h) and shapes["rnn_u.bias"][0] == (h,) and shapes["rnn_w.weight"][0] == (h, h)
+        assert (shapes["rnn_u.weight"][0] == (h, h) and shapes["rnn_u.bias"][0] == (h,)
+                and shapes["rnn_w.weight"][0] == (h, h))
         if with_proj:
             assert shapes["input_proj.weight"][0] == (e, 2 * h) and shapes["input_proj.bias"][0] == (e,)
         config = json.loads((out / "config.json").read_text())
@@ -96,7 +99,8 @@ class OracleDrafter(ReDrafter):
 
     def __init__(self, model, seqs, wrong=False):
         h = model.config.hidden_size
-        super().__init__(DrafterConfig(hidden_size=h, vocab_size=model.config.vocab_size, exit_dim=h, num_draft_layers=1))
+        super().__init__(DrafterConfig(hidden_size=h, vocab_size=model.config.vocab_size, exit_dim=h,
+                                       num_draft_layers=1))
         self.model, self.wrong, self.calls = model, wrong, 0
         self.contexts = {}
         for s in seqs:
@@ -150,16 +154,17 @@ def test_training_raises_heldout_top1(target):
 def test_drafter_stage_in_make_engine(tiny_models, tmp_path, capfd):
     """`engine` with drafter.kind redrafter: trained on the target's own TIR generations, measured, attached."""
     from small_recipes import write_recipe
+
+    from aimo_spec.recipe import load_recipe
     from trtbuild import manifest as mf
     from trtbuild.__main__ import main
-    from aimo_spec.recipe import load_recipe
 
     path = write_recipe(tmp_path, "tinyd", {"cot": {"kind": "hf", "path": str(tiny_models["llama-cot"])},
                                             "tir": {"kind": "hf", "path": str(tiny_models["llama-tir"])}},
                         quantize={"formats": ["int8_wo"]},
                         drafter={"kind": "redrafter", "num_beams": 2, "draft_len_per_beam": 2,
-                                 "train": {"prompts": 4, "heldout_prompts": 2, "samples_per_prompt": 1, "max_tokens": 24,
-                                           "draft_steps": 2, "layers": 1, "steps": 6, "batch_size": 8,
+                                 "train": {"prompts": 4, "heldout_prompts": 2, "samples_per_prompt": 1,
+                                           "max_tokens": 24, "draft_steps": 2, "layers": 1, "steps": 6, "batch_size": 8,
                                            "eval_positions": 6}},
                         serving={"tool": {"wall_seconds": 3}})
     assert main(["engine", "--recipe", str(path), "--backend", "embedded"]) == 0
@@ -179,8 +184,8 @@ def test_drafter_stage_in_make_engine(tiny_models, tmp_path, capfd):
     # the folder serves with its drafter (2 beams x 2: the best beam is verified), tokens as without it
     import asyncio
 
-    from server.embedded.engine import EmbeddedEngine
     from aimo_spec.protocol import Request, SamplingParams, collect
+    from server.embedded.engine import EmbeddedEngine
 
     greedy = SamplingParams(temperature=0.0, max_tokens=16)
     finals = {}
@@ -200,6 +205,7 @@ def test_drafter_stage_in_make_engine(tiny_models, tmp_path, capfd):
 
 def test_draft_length_beyond_training_is_a_recipe_error(tmp_path):
     from small_recipes import write_recipe
+
     from aimo_spec.recipe import RecipeError, load_recipe
 
     path = write_recipe(tmp_path, "bad", {"cot": {"kind": "hf", "path": "x"}, "tir": {"kind": "hf", "path": "y"}},

@@ -8,12 +8,12 @@ import time
 
 import pytest
 import torch
+from streams import cancel_after
 
+from aimo_spec.protocol import Final, Request, SamplingParams, collect
 from server.answers import last_boxed, normalize
 from server.embedded.engine import EmbeddedEngine
-from aimo_spec.protocol import Final, Request, SamplingParams, collect
 from server.textstream import StopMatcher
-from streams import cancel_after
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 
@@ -84,7 +84,8 @@ def test_prefix_reuse_is_exact(hf):
         assert c.cached_tokens == 0 and b.token_ids == c.token_ids
         # several samples of one prompt share its prefill
         async def many():
-            return await asyncio.gather(*[collect(reuse, Request(text, SamplingParams(seed=i, max_tokens=4))) for i in range(2)])
+            return await asyncio.gather(*[collect(reuse, Request(text, SamplingParams(seed=i, max_tokens=4)))
+                                          for i in range(2)])
         finals = [f for _, f in asyncio.run(many())]
         assert all(f.cached_tokens == len(reuse.tokenize(text)) - 1 for f in finals)
     finally:
@@ -131,7 +132,8 @@ def test_breaking_out_of_the_stream_cancels(engine, hf):
 
 def test_deadline_ends_with_timeout(engine, hf):
     text = prompts(hf[1], 1)[0]
-    _, f = asyncio.run(collect(engine, Request(text, SamplingParams(max_tokens=200, seed=1), deadline=time.monotonic())))
+    _, f = asyncio.run(collect(engine, Request(text, SamplingParams(max_tokens=200, seed=1),
+                                               deadline=time.monotonic())))
     assert f.finish_reason == "timeout"
 
 
@@ -145,12 +147,14 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(engine, hf):
                                     collect(engine, Request(b, SamplingParams(temperature=1.0, seed=1, max_tokens=16))))
     (_, together), _ = asyncio.run(crowded())
     assert alone.token_ids == together.token_ids
-    _, other = asyncio.run(collect(engine, Request(a, SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=8, max_tokens=16))))
+    _, other = asyncio.run(collect(engine, Request(a, SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=8,
+                                                                     max_tokens=16))))
     assert other.token_ids != alone.token_ids
 
 
 def test_top_logprobs_are_reported(engine, hf):
-    deltas, f = asyncio.run(collect(engine, Request(prompts(hf[1], 1)[0], SamplingParams(temperature=0, max_tokens=5, top_logprobs=3))))
+    deltas, f = asyncio.run(collect(engine, Request(prompts(hf[1], 1)[0],
+                                                    SamplingParams(temperature=0, max_tokens=5, top_logprobs=3))))
     tops = [top for d in deltas for top in (d.logprobs or ())]
     assert len(tops) == len(f.token_ids) and all(len(t) == 3 for t in tops)
     assert all(t[0][0] == tok for t, tok in zip(tops, f.token_ids))  # greedy picks the top token

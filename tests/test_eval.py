@@ -52,8 +52,10 @@ def synthetic(k=4):
         return {"answer": answer, "tokens": tokens, "finish": "stop", "seconds": t, "finished_at": t,
                 "code_calls": calls, "tool_errors": errors, "tool_timeouts": 0,
                 "error_kinds": ["NameError: sp"] * errors}
-    return [{"id": "a", "truth": 1, "seconds": 4.0, "samples": [sample(1, 1.0), sample(1, 2.0), sample(2, 3.0), sample(None, 4.0, errors=1)]},
-            {"id": "b", "truth": 9, "seconds": 2.0, "samples": [sample(3, 0.5), sample(9, 1.0), sample(9, 1.5), sample(9, 2.0)]}]
+    return [{"id": "a", "truth": 1, "seconds": 4.0,
+             "samples": [sample(1, 1.0), sample(1, 2.0), sample(2, 3.0), sample(None, 4.0, errors=1)]},
+            {"id": "b", "truth": 9, "seconds": 2.0,
+             "samples": [sample(3, 0.5), sample(9, 1.0), sample(9, 1.5), sample(9, 2.0)]}]
 
 
 def test_summary_report_and_plots(tmp_path):
@@ -64,7 +66,8 @@ def test_summary_report_and_plots(tmp_path):
     grid = [0.6, 1.2, 2.5, 5.0]
     assert budget_curve(results, grid) == [0.0, 0.5, 1.0, 1.0]  # b: a 3-vs-9 tie at 1.2 s goes to 3
     report = {"recipe": "r.yaml", "data": "p.csv", "k": 4, "problems": 2, "date": "2026-12-03", "machine": "test",
-              "budget_grid": grid, "variants": {"x": {"results": results, "summary": s, "budget_curve": budget_curve(results, grid)}}}
+              "budget_grid": grid, "variants": {"x": {"results": results, "summary": s,
+                                                      "budget_curve": budget_curve(results, grid)}}}
     files = plots(report, tmp_path)
     assert all((tmp_path / f).stat().st_size > 1000 for f in files) and len(files) == 3
     md = markdown(report, files)
@@ -88,8 +91,9 @@ def test_replay_rules_budget_and_scores():
 
 
 def test_replay_cli_on_a_recorded_eval(tmp_path, capsys):
-    from server.programs.replay import main
     from small_recipes import write_recipe
+
+    from server.programs.replay import main
 
     recipe = write_recipe(tmp_path, "rp", {"cot": {"kind": "hf", "path": "a"}, "tir": {"kind": "hf", "path": "b"}})
     data = {"recipe": str(recipe), "variants": {"mix": {"results": synthetic()}}}
@@ -117,12 +121,15 @@ def test_replay_shows_which_vote_wins():
 
 
 def test_tool_error_kinds_table_and_report():
-    assert exception_kind("Traceback (most recent call last):\n  File \"<cell>\", line 1\nNameError: name 'sp' is not defined") == "NameError: sp"
+    assert exception_kind("Traceback (most recent call last):\n  File \"<cell>\", line 1\n"
+                          "NameError: name 'sp' is not defined") == "NameError: sp"
     assert exception_kind("ModuleNotFoundError: No module named 'sympy.foo'") == "ImportError: sympy"
-    assert exception_kind("ImportError: cannot import name 'isprime' from 'math' (unknown location)") == "ImportError: math.isprime"
+    assert (exception_kind("ImportError: cannot import name 'isprime' from 'math' (unknown location)")
+            == "ImportError: math.isprime")
     assert exception_kind('  File "<cell>", line 1\n    x = (\n        ^\nSyntaxError: bad') == "SyntaxError"
     assert exception_kind("numpy.linalg.LinAlgError: Singular matrix") == "LinAlgError"
-    assert error_table(["timeout", "NameError: sp", "timeout", ""], 8) == [("timeout", 2, 0.25), ("NameError: sp", 1, 0.125)]
+    assert error_table(["timeout", "NameError: sp", "timeout", ""], 8) == [("timeout", 2, 0.25),
+                                                                           ("NameError: sp", 1, 0.125)]
     results = synthetic()
     results[1]["samples"][0]["output_cut"] = 2
     s = summarize(results, 4)

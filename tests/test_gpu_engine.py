@@ -44,8 +44,8 @@ def test_fp8_kernel_matches_the_cpu_emulation():
 
 
 def test_engine_on_cuda_agrees_with_the_cpu_engine(tiny_models):
-    from server.embedded.engine import EmbeddedEngine
     from aimo_spec.protocol import Request, SamplingParams, collect
+    from server.embedded.engine import EmbeddedEngine
 
     path = tiny_models["qwen-tir"]
     outs = {}
@@ -68,8 +68,8 @@ def test_engine_on_cuda_agrees_with_the_cpu_engine(tiny_models):
 
 
 def test_device_sampler_on_cuda_is_batch_independent():
-    from server.embedded.sampler import sample_device
     from aimo_spec.protocol import SamplingParams
+    from server.embedded.sampler import sample_device
 
     logits = torch.randn(3, 1000, device="cuda")
     p = SamplingParams(temperature=0.9, top_p=0.95)
@@ -85,13 +85,13 @@ def test_speculative_decoding_on_cuda_graphs_is_exact(tiny_models, dtype):
     verify GEMMs have more rows than a decode step's, and cuBLAS may round them differently (as it
     does between two batch sizes without a drafter), so there the first tokens must agree and a
     divergence is reported, not hidden."""
+    from test_speculative import repeat_drafter
     from transformers import AutoModelForCausalLM
 
+    from aimo_spec.chat import load_tokenizer
+    from aimo_spec.protocol import Request, SamplingParams, collect
     from server.embedded.engine import EmbeddedEngine
     from server.embedded.speculative import SpecConfig
-    from aimo_spec.protocol import Request, SamplingParams, collect
-    from test_speculative import repeat_drafter
-    from aimo_spec.chat import load_tokenizer
 
     path = tiny_models["llama-cot"]
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import polars as pl
 import pytest
-
 from engine_double import ScriptedEngine
 from kaggle_kit import engine_folder, serving_spec
+
+from aimo_spec.protocol import Final
 from server.engine_check import EngineFolderError
 from server.kaggle.predict import EngineStartError, Predictor
-from aimo_spec.protocol import Final
 
 
 def boxed(answer: str):
@@ -54,8 +54,9 @@ def test_predict_takes_one_series_per_csv_column_and_returns_the_id_as_given(tmp
     def factory():
         made.append(ScriptedEngine(boxed("1042")))
         return made[-1]
-    p = Predictor(engine_folder(tmp_path), serving=serving_spec(solver={"modulus": 1000, "samples": 2, "early_stop_first": 2,
-                                                  "early_stop_agree": 2, "enough_finished": 2}),
+    p = Predictor(engine_folder(tmp_path),
+                  serving=serving_spec(solver={"modulus": 1000, "samples": 2, "early_stop_first": 2,
+                                               "early_stop_agree": 2, "enough_finished": 2}),
                   problems=3, engine_factory=factory, log=lambda m: None)
     assert not made  # nothing loaded before the first call
     row = csv_row(tmp_path)
@@ -116,7 +117,8 @@ def test_a_null_or_oversized_problem_is_answered_by_default_without_the_engine(t
 def test_an_engine_that_cannot_load_fails_loudly_instead_of_answering_zeros(tmp_path):
     def broken():
         raise RuntimeError("CUDA out of memory")
-    p = Predictor(engine_folder(tmp_path), serving=serving_spec(), problems=2, engine_factory=broken, log=lambda m: None)
+    p = Predictor(engine_folder(tmp_path), serving=serving_spec(), problems=2, engine_factory=broken,
+                  log=lambda m: None)
     with pytest.raises(EngineStartError, match="could not be loaded: RuntimeError: CUDA out of memory"):
         p.predict(*series("q1", "x"))
     p.close()
@@ -201,8 +203,8 @@ def kill_engine_thread(engine) -> None:
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread's death is the test
 def test_the_embedded_engine_reports_a_dead_thread_and_fails_its_requests_at_once(tiny_models):
-    from server.embedded.engine import EmbeddedEngine
     from aimo_spec.protocol import Request, SamplingParams
+    from server.embedded.engine import EmbeddedEngine
 
     engine = EmbeddedEngine.from_dir(tiny_models["llama-tir"], max_seq_len=128, device="cpu")
     assert engine.alive and engine.ready
@@ -246,7 +248,8 @@ def test_an_engine_that_dies_and_cannot_be_restarted_fails_loudly(tmp_path):
             raise RuntimeError("CUDA error: an illegal memory access")
         lives.append(DyingEngine(die=False))
         return lives[-1]
-    p = Predictor(engine_folder(tmp_path), serving=serving_spec(), problems=3, engine_factory=factory, log=lambda m: None)
+    p = Predictor(engine_folder(tmp_path), serving=serving_spec(), problems=3, engine_factory=factory,
+                  log=lambda m: None)
     assert p.predict(*series("q1", "x"))["answer"][0] == 5
     lives[0].die = True  # found dead before the next problem
     with pytest.raises(EngineStartError, match="illegal memory access"):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import errno
 import functools
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -63,7 +62,8 @@ def test_every_fact_names_its_repository_and_commit():
                        f"kaggle_evaluation/{competition[:4]}_{competition[4]}_inference_server.py"} <= paths
     versions = {s["competition"]: s["package_version"] for s in FACTS["sources"]
                 if s["path"] == "kaggle_evaluation/__init__.py"}
-    assert versions == {"aimo2": "0.3.0", "aimo3": "0.9.0"} == {c: v["package_version"] for c, v in FACTS["cores"].items()}
+    assert versions == {"aimo2": "0.3.0", "aimo3": "0.9.0"} == {c: v["package_version"]
+                                                                for c, v in FACTS["cores"].items()}
     assert FACTS["timeouts"]["response_timeout_seconds"] == {"aimo2": 1800, "aimo3": 32400}
 
 
@@ -144,7 +144,8 @@ class CallableSolver:
         return good_predict(*row)
 
 
-@pytest.mark.parametrize("listener,kind", [(Solver().predict, "method"), (functools.partial(answer, scale=2), "partial"),
+@pytest.mark.parametrize("listener,kind", [(Solver().predict, "method"),
+                                           (functools.partial(answer, scale=2), "partial"),
                                            (CallableSolver(), "CallableSolver")])
 def test_the_aimo3_double_refuses_a_bound_method_or_partial_as_listener_like_the_real_one(double, listener, kind):
     assert FACTS["cores"]["aimo3"]["listeners"]["rule"] == "function"

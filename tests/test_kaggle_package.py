@@ -13,13 +13,13 @@ from pathlib import Path
 
 import polars as pl
 import pytest
-
 from kaggle_kit import ROOT, engine_folder, serving_spec
+from small_recipes import write_recipe
+
+from aimo_spec.recipe import load_recipe
 from server.engine_check import EngineFolderError
 from server.kaggle.predict import Predictor
-from small_recipes import write_recipe
 from trtbuild.build import engine_config
-from aimo_spec.recipe import load_recipe
 
 
 def test_generated_notebook_runs_against_the_faithful_gateway_on_the_shipped_problems(tiny_models, tmp_path,
@@ -45,7 +45,8 @@ def test_generated_notebook_runs_against_the_faithful_gateway_on_the_shipped_pro
     assert "kaggle_evaluation:" in report["printed"] and str(ROOT / "tests" / "kaggle_double") in report["printed"]
     double = report["double_report"]
     assert double["error"] is None and len(double["calls"]) == n
-    assert double["core"] == "0.9.0" and double["competition"] == "aimo3"  # under AIMO-3's rules (plain-function listener)
+    # under AIMO-3's rules (plain-function listener)
+    assert double["core"] == "0.9.0" and double["competition"] == "aimo3"
     assert all(c["args"] == ["id", "problem", "answer"] for c in double["calls"])
     assert report["problems"] == n and not report["missing"] and report["scored"] == n
     sub = pl.read_parquet(out / "submission.parquet")
@@ -137,7 +138,8 @@ def test_a_trtllm_engine_without_the_tensorrt_llm_wheels_fails_clearly(tmp_path)
     with pytest.raises(ValueError, match="TRTLLM_WHEELS"):
         build(eng, tmp_path / "out", problems, serving_spec())
     with pytest.raises(ValueError, match="no tensorrt_llm-1.2.x"):
-        build(eng, tmp_path / "out", problems, serving_spec(), trtllm_wheels=wheel_set(tmp_path, ("torch-2.9.1-cp312-none.whl",)))
+        build(eng, tmp_path / "out", problems, serving_spec(),
+              trtllm_wheels=wheel_set(tmp_path, ("torch-2.9.1-cp312-none.whl",)))
     assert not (tmp_path / "out").exists()
 
 
@@ -147,7 +149,8 @@ def test_trtllm_kaggle_folder_ships_the_wheel_set_and_the_notebook_installs_it_o
     problems = tmp_path / "p.csv"
     problems.write_text("id,problem,answer\na,one,1\n")
     out = tmp_path / "aimo-trt"
-    info = build(trtllm_engine_folder(tmp_path), out, problems, serving_spec(), wheels="runtime", trtllm_wheels=wheel_set(tmp_path))
+    info = build(trtllm_engine_folder(tmp_path), out, problems, serving_spec(), wheels="runtime",
+                 trtllm_wheels=wheel_set(tmp_path))
     assert info["backend"] == "trtllm" and info["mode"] == "project"  # TensorRT-LLM's set brings its own pins
     assert sorted(p.name for p in (out / "wheels" / "trtllm").iterdir()) == [
         "tensorrt_llm-1.2.1-cp312-cp312-linux_x86_64.whl", "transformers-4.57.3-py3-none-any.whl"]

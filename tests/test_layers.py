@@ -30,9 +30,9 @@ ALLOWED = {  # package -> what its modules may import from the project
 PROGRAM_PLACES = ("server.programs", "server.bench", "trtbuild.programs", "trtbuild.__main__", "sandbox._worker")
 RUNTIME_FLOORS = (  # inside server/: module prefixes per floor, bottom up; anything else is a surface
     ("server.textstream", "server.stream", "server.answers", "server.answer_latex", "server.budget"),
-    ("server.embedded.", "server.trtllm.engine", "server.triton.engine", "server.triton.interface", "server.openai.engine",
-     "server.openai.replicas", "server.openai.routing", "server.openai.probe", "server.openai.remote_completion",
-     "server.openai.connections", "server.backends"),
+    ("server.embedded.", "server.trtllm.engine", "server.triton.engine", "server.triton.interface",
+     "server.openai.engine", "server.openai.replicas", "server.openai.routing", "server.openai.probe",
+     "server.openai.remote_completion", "server.openai.connections", "server.backends"),
     ("server.toolerrors", "server.tir", "server.solver", "server.metrics", "server.problems", "server.assembly"),
 )
 
@@ -118,10 +118,12 @@ def test_programs_live_in_the_programs_places(path):
 
 def test_the_rules_bite():
     """The checks themselves: the imports the old layout had are caught, and so are programs out of place."""
-    assert _package("server.textstream") == "server" and not any(_within("trtbuild.tir_data", a) for a in ALLOWED["server"])
+    assert _package("server.textstream") == "server" and not any(_within("trtbuild.tir_data", a)
+                                                                 for a in ALLOWED["server"])
     assert floor("server.stream") < floor("server.tir") < floor("server.programs.solve")
     assert _package("aimo_spec.chat") == "aimo_spec" and _package("trtbuild.quality") == "trtbuild"
-    assert not any(_within(m, a) for m in ("server.stream", "trtbuild.build", "sandbox.pool") for a in ALLOWED["aimo_spec"])
+    assert not any(_within(m, a) for m in ("server.stream", "trtbuild.build", "sandbox.pool")
+                   for a in ALLOWED["aimo_spec"])
     assert is_program("server.programs.solve") and is_program("trtbuild.__main__") and is_program("server.bench.gpu")
     assert not is_program("server.solver") and not is_program("trtbuild.programs_list")
     assert has_main_block('import sys\nif "__main__" == __name__:\n    sys.exit(0)\n')

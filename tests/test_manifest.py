@@ -39,9 +39,11 @@ def test_an_intact_stage_is_current_and_records_what_it_verifies(tmp_path, capfd
 
 
 @pytest.mark.parametrize("damage,words", [
-    (lambda f: (f / "model" / "model.safetensors").write_bytes(b"w" * 100), "model/model.safetensors is 100 bytes but was 4096"),
+    (lambda f: (f / "model" / "model.safetensors").write_bytes(b"w" * 100),
+     "model/model.safetensors is 100 bytes but was 4096"),
     (lambda f: (f / "model" / "config.json").unlink(), "model/config.json is missing"),
-    (lambda f: (f / "model" / "config.json").write_text('{"layers": 9}'), "model/config.json changed since it was built"),
+    (lambda f: (f / "model" / "config.json").write_text('{"layers": 9}'),
+     "model/config.json changed since it was built"),
     (lambda f: (f / "manifest.json").write_text('{"stage": "merge", "fingerpr'), "manifest.json cannot be read"),
     (lambda f: (f / "manifest.json").write_bytes(b"\xff\xfe\x00garbage"), "manifest.json cannot be read"),
     (lambda f: (f / "manifest.json").write_text("null"), "not an object"),
@@ -103,8 +105,9 @@ def test_two_concurrent_runs_on_one_folder_do_the_work_once(tmp_path):
 
 
 def test_the_build_command_takes_the_lock(tmp_path, monkeypatch):
-    import trtbuild.__main__ as cli
     from small_recipes import write_recipe
+
+    import trtbuild.__main__ as cli
 
     taken = []
     real = mf.folder_lock

@@ -16,6 +16,7 @@ pytest.importorskip("httpx2")
 pytest.importorskip("uvicorn")
 
 from openai_servers import ServerProcess, hang_guard  # noqa: E402,F401
+
 from aimo_spec.protocol import Delta, Final, Request, SamplingParams, collect  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
@@ -88,7 +89,8 @@ def test_greedy_tokens_and_continuations_are_exact_through_http(replicas, local,
         assert s1.token_ids == s2.token_ids
         lp1 = [row for d in d1 for row in d.logprobs or ()]
         lp2 = [row for d in d2 for row in d.logprobs or ()]
-        assert len(lp1) == len(lp2) == 12  # the same values (tied ids may come in another order: the server asks for 20)
+        # the same values (tied ids may come in another order: the server asks for 20)
+        assert len(lp1) == len(lp2) == 12
         assert [[round(v, 4) for _, v in row] for row in lp1] == [[round(v, 4) for _, v in row] for row in lp2]
     finally:
         eng.shutdown()
@@ -150,10 +152,10 @@ def test_the_solver_with_the_sandbox_over_two_replicas(replicas, local, tiny_mod
     """The TIR client and solver, unchanged: code tags taken from the random model's greedy text, so
     it really closes a code block; the code runs in the real sandbox, its output block is appended, and
     each sample's next turn goes back to the replica that holds its history (the KV is reused)."""
+    from aimo_spec.recipe import CodeTags, SolverSpec
     from sandbox import Limits, SandboxConfig, SandboxPool
     from server.solver import Solver
     from server.tir import TIRClient
-    from aimo_spec.recipe import CodeTags, SolverSpec
 
     eng = engine_for(",".join(s.url for s in replicas), tiny_models)
     before = [s.metrics().get("aimo_prompt_tokens_total", 0) for s in replicas]
@@ -165,7 +167,8 @@ def test_the_solver_with_the_sandbox_over_two_replicas(replicas, local, tiny_mod
     try:
         with SandboxPool(SandboxConfig(limits=Limits(wall_seconds=3), pool_size=2)) as pool:
             client = TIRClient(eng, pool, tags, SamplingParams(temperature=0, max_tokens=60), max_code_calls=2)
-            solver = Solver(eng, client, SolverSpec(samples=4, early_stop_first=4, early_stop_agree=4, enough_finished=4))
+            solver = Solver(eng, client, SolverSpec(samples=4, early_stop_first=4, early_stop_agree=4,
+                                                    enough_finished=4))
             result = run(solver.solve("p", problem, deadline=time.monotonic() + 60))
     finally:
         eng.shutdown()
@@ -205,15 +208,16 @@ def test_a_replica_killed_mid_run_fails_over_then_a_clear_error(replicas, local,
         assert min(at_kill) < 300 and eng.replicas[1].failures >= 1  # some were cut on the dead one, and went on
         assert victim.proc.wait(timeout=10) == -signal.SIGKILL
         # the solver still answers with one replica gone
+        from aimo_spec.recipe import SolverSpec
         from sandbox import Limits, SandboxConfig, SandboxPool
         from server.solver import Solver
         from server.tir import TIRClient
-        from aimo_spec.recipe import SolverSpec
 
         with SandboxPool(SandboxConfig(limits=Limits(wall_seconds=3), pool_size=2)) as pool:
             client = TIRClient(eng, pool, sampling=SamplingParams(temperature=0.7, max_tokens=32))
             result = run(Solver(eng, client, SolverSpec(samples=3, early_stop_first=3, early_stop_agree=3,
-                                                        enough_finished=3)).solve("q", "What is 1 + 1?", time.monotonic() + 60))
+                                                        enough_finished=3)).solve("q", "What is 1 + 1?",
+                                                                                  time.monotonic() + 60))
         assert isinstance(result.answer, int) and all(t.finish in ("stop", "length") for t in result.traces)
         # with no replica left, a request ends with an error naming each one
         replicas[0].kill()

@@ -12,7 +12,6 @@ import asyncio
 import json
 import socket
 import threading
-import time
 
 import pytest
 

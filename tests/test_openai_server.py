@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import signal
 import threading
-import time
 from typing import Any, Callable, Iterator
 
 import pytest
@@ -18,6 +17,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
 from openai_servers import ServerProcess, free_port, hang_guard, wait_for  # noqa: E402,F401
+
 from aimo_spec.protocol import Request, SamplingParams, collect  # noqa: E402
 
 
@@ -75,7 +75,8 @@ def test_streaming_chat_and_completions_match_their_whole_replies(client, local)
                                                  stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
-    assert text == whole.choices[0].message.content == greedy_local(local, local.tokenize(local.chat_prompt("What is 3 + 4?")), 20).text
+    assert text == whole.choices[0].message.content == greedy_local(
+        local, local.tokenize(local.chat_prompt("What is 3 + 4?")), 20).text
     finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
     assert finishes == [whole.choices[0].finish_reason]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
@@ -90,8 +91,8 @@ def test_streaming_chat_and_completions_match_their_whole_replies(client, local)
     ref = greedy_local(local, prompt, 20)
     assert ids == list(ref.token_ids) and text == ref.text
     # trtllm-serve's way: detokenize false streams ids only
-    ids2 = [t for ch in client.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0, stream=True,
-                                                  extra_body={"detokenize": False})
+    ids2 = [t for ch in client.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0,
+                                                  stream=True, extra_body={"detokenize": False})
             for t in ch.choices[0].model_extra.get("token_ids") or []]
     assert ids2 == ids
 
@@ -127,7 +128,8 @@ def test_logprobs_completions_and_chat(client, local):
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
                                           temperature=0, logprobs=True, top_logprobs=2)
     content = chat.choices[0].logprobs.content
-    assert len(content) == 5 and all(len(c.top_logprobs) == 2 and c.logprob == c.top_logprobs[0].logprob for c in content)
+    assert len(content) == 5 and all(len(c.top_logprobs) == 2 and c.logprob == c.top_logprobs[0].logprob
+                                     for c in content)
 
 
 def test_seeds_reproduce_and_n_choices_differ(client, local):

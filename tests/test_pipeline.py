@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from small_recipes import write_recipe
+
+from aimo_spec.recipe import load_recipe
 from trtbuild import manifest as mf
 from trtbuild.__main__ import main
-from aimo_spec.recipe import load_recipe
 
 STAGE_DIRS = ["sources/cot", "sources/tir", "merge", "quantize/int8_wo", "quantize/fp8", "build/embedded"]
 
@@ -103,8 +103,8 @@ def test_quantized_exports_reload_within_rounding(qwen_build):
 
 
 def test_engine_folder_serves_tokens(qwen_build):
-    from server.embedded.loader import load_model
     from aimo_spec.chat import load_tokenizer
+    from server.embedded.loader import load_model
 
     engine = qwen_build.out_dir / "build" / "embedded"
     cfg = json.loads((engine / "engine.json").read_text())
@@ -256,14 +256,15 @@ def test_solve_end_to_end_on_the_built_engine(qwen_build, tmp_path, capsys):
 
     import yaml
 
-    from server.embedded.engine import EmbeddedEngine
     from aimo_spec.protocol import Final, Request, SamplingParams
+    from server.embedded.engine import EmbeddedEngine
     from server.programs.solve import main as solve_main
 
     eng = EmbeddedEngine.from_dir(qwen_build.out_dir / "build" / "embedded")
 
     async def greedy():
-        async for ev in eng.generate(Request(eng.chat_prompt("What is 6 times 7?"), SamplingParams(temperature=0, max_tokens=48))):
+        async for ev in eng.generate(Request(eng.chat_prompt("What is 6 times 7?"),
+                                             SamplingParams(temperature=0, max_tokens=48))):
             if isinstance(ev, Final):
                 return ev.text
     text = asyncio.run(greedy())

@@ -7,17 +7,16 @@ from __future__ import annotations
 import asyncio
 import errno
 import json
-from pathlib import Path
 
 import pytest
+from refusals import assert_refused
 
+from aimo_spec import atomic
+from aimo_spec.recipe import BudgetSpec
 from server.budget import TimeBudget
 from server.problems import Problem, RunReport, read_problems, run_problems
 from server.solver import SolveResult
 from server.tir import SampleTrace
-from aimo_spec import atomic
-from aimo_spec.recipe import BudgetSpec
-from refusals import assert_refused
 
 
 def test_a_bom_and_a_1mb_field_are_read(tmp_path):

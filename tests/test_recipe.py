@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from refusals import assert_refused
 
 from aimo_spec.recipe import RecipeError, load_recipe, parse_recipe
-from refusals import assert_refused
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -127,7 +127,8 @@ def test_missing_file(tmp_path):
 
 def test_hf_path_resolves_against_recipe_folder(tmp_path, tiny_models):
     (tmp_path / "ckpt").symlink_to(tiny_models["llama-cot"])
-    data = {"name": "t", "sources": {"cot": {"kind": "hf", "path": "ckpt"}, "tir": {"kind": "tir_finetune", "base": "cot"}},
+    data = {"name": "t", "sources": {"cot": {"kind": "hf", "path": "ckpt"},
+                                     "tir": {"kind": "tir_finetune", "base": "cot"}},
             "merge": {"weights": {"cot": 0.3, "tir": 0.7}, "base_model": "tir"}}
     r = parse_recipe(data, where="t.yaml", path=tmp_path / "t.yaml")
     assert r.resolve("ckpt") == tmp_path / "ckpt"
@@ -137,6 +138,7 @@ def test_hf_path_resolves_against_recipe_folder(tmp_path, tiny_models):
 def test_core_imports_without_heavy_libraries():
     code = ("import sys, trtbuild, aimo_spec.recipe, trtbuild.manifest, trtbuild.backends, trtbuild.__main__, "
             "merge, merge.config, server, server.embedded\n"
-            "heavy = [m for m in ('torch', 'transformers', 'mergekit', 'modelopt', 'tensorrt_llm') if m in sys.modules]\n"
+            "heavy = [m for m in ('torch', 'transformers', 'mergekit', 'modelopt', 'tensorrt_llm') "
+            "if m in sys.modules]\n"
             "assert not heavy, heavy")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

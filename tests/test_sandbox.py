@@ -135,7 +135,8 @@ def test_exits(pool, code, status, exit_code):
 
 
 def test_cannot_kill_parent_or_harness(pool):
-    code = (f"import os, signal\nfor pid in (os.getppid(), 1, {os.getpid()}):\n    try:\n        os.kill(pid, signal.SIGKILL)\n"
+    code = (f"import os, signal\nfor pid in (os.getppid(), 1, {os.getpid()}):\n"
+            "    try:\n        os.kill(pid, signal.SIGKILL)\n"
             "        print('killed', pid)\n    except OSError as e:\n        print('denied', pid, type(e).__name__)")
     r = pool.run(code)
     assert "killed" not in r.stdout.text.replace("denied", ""), r.stdout.text
@@ -199,7 +200,8 @@ def test_file_size_limit(pool):
 
 def test_detached_child_does_not_outlive_the_cell(pool):
     marker = f"sandbox-detached-{uuid.uuid4().hex}"
-    code = (f"import subprocess, sys\np = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)', {marker!r}],"
+    code = ("import subprocess, sys\n"
+            f"p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)', {marker!r}],"
             " start_new_session=True)\nprint(p.pid)")
     r = pool.run(code)
     assert r.status == "ok" and r.stdout.text.strip().isdigit()

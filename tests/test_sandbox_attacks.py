@@ -19,12 +19,22 @@ import uuid
 from pathlib import Path
 
 import pytest
+from sandbox_attack_kit import (  # noqa: F401
+    FAST,
+    ROOT,
+    SPINNER,
+    bounded,
+    detached_spinner,
+    healthy,
+    idle_worker,
+    pool,
+    session_uid,
+    survivors,
+    wait_gone,
+)
 
 from sandbox import SandboxConfig, SandboxPool, isolation
 from sandbox.worker import WorkerDied
-from sandbox_attack_kit import (FAST, ROOT, SPINNER, bounded, detached_spinner, healthy, idle_worker,  # noqa: F401
-                                pool, session_uid, survivors, wait_gone)
-
 
 # ---- 1. nothing a cell starts outlives its cell, its session or its pool
 
@@ -257,7 +267,8 @@ FORGE = [  # (writing forged replies to every descriptor: test_session_cell_cann
     # break the serializer the runner uses
     "import json\njson.dumps = lambda *a, **k: 'garbage'\nprint('FORGED')",
     # replace the runner's reply with a well-formed one for another cell
-    "import __main__\n__main__._write_frame = lambda fd, obj: __import__('os').write(fd, b'\\x00\\x00\\x00\\x02{}')\nprint('FORGED')",
+    "import __main__\n__main__._write_frame = lambda fd, obj: __import__('os').write(fd, b'\\x00\\x00\\x00\\x02{}')\n"
+    "print('FORGED')",
     # make the runner never answer
     "import __main__\n__main__._write_frame = lambda fd, obj: None\nprint('FORGED')",
 ]
@@ -331,8 +342,8 @@ CHANNEL_ATTACKS = {
     # close every descriptor, then keep closing from a thread while the next cells run
     "close": "close_all()\nbackground(lambda: [close_all() for _ in iter(int, 1)])",
     # replace every readable descriptor with a pipe that never answers
-    "replace": "jam, keep = os.pipe()\nfor fd, mode in open_fds():\n    if fd not in (jam, keep) and mode == os.O_RDONLY:\n"
-               "        os.dup2(jam, fd)",
+    "replace": "jam, keep = os.pipe()\nfor fd, mode in open_fds():\n"
+               "    if fd not in (jam, keep) and mode == os.O_RDONLY:\n        os.dup2(jam, fd)",
     # a forked copy of the cell returns into the runner with whatever it inherited
     "fork": "pid = os.fork()\nprint('child' if pid == 0 else 'parent')",
     # copy every descriptor of every thread of this process (pidfd_getfd on thread pidfds, Linux

@@ -15,13 +15,12 @@ import textwrap
 import time
 
 import pytest
+from sandbox_attack_kit import FAST, ROOT, SPINNER, bounded, healthy, idle_worker, pool, session_uid  # noqa: F401
 
 from sandbox import SandboxConfig, SandboxPool, isolation
 from sandbox.config import Limits
 from sandbox.result import escape_controls
 from sandbox.slots import Slots
-from sandbox_attack_kit import FAST, ROOT, SPINNER, bounded, healthy, idle_worker, pool, session_uid  # noqa: F401
-
 
 # ---- 5. every pool cell starts from a clean state
 
@@ -175,12 +174,14 @@ TASKS = 8  # a small limit: reached long before the address space runs out (8 Mi
 
 BOMBS = {
     # threads until starting one fails ("can't start new thread")
-    "threads": ("import threading, time\nwhile True:\n    threading.Thread(target=time.sleep, args=(60,), daemon=True).start()", 5),
+    "threads": ("import threading, time\nwhile True:\n"
+                "    threading.Thread(target=time.sleep, args=(60,), daemon=True).start()", 5),
     # every process forks until forking fails (BlockingIOError)
     "processes": ("import os\nwhile True:\n    os.fork()", 5),
     # a fork loop that swallows the failures and so runs into its time limit
-    "processes-until-timeout": ("import os, time\nwhile True:\n    try:\n        if os.fork() == 0:\n            time.sleep(60)\n"
-                                "            os._exit(0)\n    except OSError:\n        pass", 1),
+    "processes-until-timeout": ("import os, time\nwhile True:\n    try:\n        if os.fork() == 0:\n"
+                                "            time.sleep(60)\n            os._exit(0)\n"
+                                "    except OSError:\n        pass", 1),
 }
 
 
@@ -193,7 +194,8 @@ def small_pool():
         from sandbox import cgroup
 
         why = f"memory: {cgroup.available()[2]}; pids: {cgroup.pids_available()[2]}; worker group: {w.cgroup}"
-        pytest.skip(f"no writable pids cgroup for this worker ({why}): the limit binds (RLIMIT_NPROC) but counts nothing")
+        pytest.skip(f"no writable pids cgroup for this worker ({why}): the limit binds (RLIMIT_NPROC) "
+                    "but counts nothing")
     yield p
     p.close()
 
@@ -276,7 +278,8 @@ def test_slots_are_unique_across_harness_processes(tmp_path):
     mine = Slots(4, str(tmp_path))
     assert [mine.take(), mine.take()] == [0, 1]
     other = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(ROOT)!r})\n"
-                            f"from sandbox.slots import Slots\ns = Slots(4, {str(tmp_path)!r})\nprint(s.take(), s.take())"],
+                            f"from sandbox.slots import Slots\ns = Slots(4, {str(tmp_path)!r})\n"
+                            "print(s.take(), s.take())"],
                            capture_output=True, text=True, timeout=30)
     assert other.stdout.split() == ["2", "3"], other.stderr  # another harness skips the uids this one holds
     mine.give(0)

@@ -9,11 +9,10 @@ import json
 from pathlib import Path
 
 import pytest
+from small_recipes import write_recipe
 
 from aimo_spec.recipe import ServingSpec, SpeculativeSpec, load_recipe
-from server.embedded.settings import (DETERMINISTIC_ENV, DEVICE_ENV, SPECULATIVE_ENV, engine_options,
-                                      serving_settings)
-from small_recipes import write_recipe
+from server.embedded.settings import DETERMINISTIC_ENV, DEVICE_ENV, SPECULATIVE_ENV, engine_options, serving_settings
 from trtbuild import stages
 from trtbuild.build import engine_config
 

@@ -8,13 +8,13 @@ import time
 from types import SimpleNamespace
 
 import pytest
-
 from engine_double import ScriptedEngine
+
+from aimo_spec.protocol import SamplingParams
+from aimo_spec.recipe import BudgetSpec, SolverSpec
 from sandbox import Limits, SandboxConfig, SandboxPool
 from server.budget import TimeBudget
-from aimo_spec.protocol import SamplingParams
 from server.solver import Solver, early_stop, entropy_weights, vote
-from aimo_spec.recipe import BudgetSpec, SolverSpec
 from server.tir import SampleTrace, TIRClient
 
 
@@ -158,11 +158,17 @@ def test_aimo2_buffer_arithmetic():
     clock = FakeClock()
     b = TimeBudget(BudgetSpec(policy="aimo2", total_seconds=4 * 350), 4, clock)
     assert b.allowance() == 350
-    b.start(); clock.t += 100; b.finish()
+    b.start()
+    clock.t += 100
+    b.finish()
     assert b.buffer == 250 and b.allowance() == 350 + 210
-    b.start(); clock.t += 500; b.finish()
+    b.start()
+    clock.t += 500
+    b.finish()
     assert b.buffer == 100 and b.allowance() == 450
-    b.start(); clock.t += 450; b.finish()
+    b.start()
+    clock.t += 450
+    b.finish()
     assert b.buffer == 0 and b.allowance() == 350
     b.total_seconds = 1300  # a shorter run: only 250 s are left, whatever the rule says
     assert b.allowance() == 250

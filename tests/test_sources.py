@@ -23,8 +23,8 @@ def test_shipped_smollm2_converts_and_answers(tmp_path):
 
     import torch
 
-    from server.embedded.loader import load_model
     from aimo_spec.chat import encode, load_tokenizer, render_prompt
+    from server.embedded.loader import load_model
 
     gguf_to_hf(gguf_path(SMOL, "r.yaml"), tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())

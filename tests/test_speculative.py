@@ -17,12 +17,12 @@ from collections import Counter
 import pytest
 import torch
 
+from aimo_spec.protocol import Request, SamplingParams, collect
 from server.embedded import speculative
 from server.embedded.engine import EmbeddedEngine
 from server.embedded.redrafter import DrafterConfig, ReDrafter
 from server.embedded.sampler import row_distribution
 from server.embedded.speculative import SpecConfig, accept_device, accept_host
-from aimo_spec.protocol import Request, SamplingParams, collect
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40)
 

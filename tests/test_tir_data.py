@@ -25,12 +25,14 @@ def test_output_block_is_what_python_prints():
     remainders = [t for t in traces if t.problem.startswith("What is the remainder")]
     assert remainders
     for t in remainders:  # independent recomputation of the answer from the problem text
-        a, b, m = map(int, re.fullmatch(r"What is the remainder when (\d+)\^\{(\d+)\} is divided by (\d+)\?", t.problem).groups())
+        a, b, m = map(int, re.fullmatch(r"What is the remainder when (\d+)\^\{(\d+)\} is divided by (\d+)\?",
+                                        t.problem).groups())
         assert t.answer == str(pow(a, b, m))
 
 
 def test_custom_code_tags_are_used():
-    tags = CodeTags(code_start="<tool_call>\n", code_end="</tool_call>\n", output_start="```output\n", output_end="```\n")
+    tags = CodeTags(code_start="<tool_call>\n", code_end="</tool_call>\n", output_start="```output\n",
+                    output_end="```\n")
     t = make_traces(1, seed=0, tags=tags)[0]
     assert "<tool_call>\n" in t.reply and "</tool_call>\n```output\n" in t.reply
     assert "```python" not in t.reply

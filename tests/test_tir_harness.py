@@ -7,12 +7,12 @@ import math
 import time
 
 import pytest
-
 from engine_double import ScriptedEngine
-from sandbox import Limits, SandboxConfig, SandboxPool
+
 from aimo_spec.protocol import SamplingParams
-from server.tir import TIRClient, open_code
 from aimo_spec.recipe import CodeTags, ServingSpec
+from sandbox import Limits, SandboxConfig, SandboxPool
+from server.tir import TIRClient, open_code
 
 QWEN = CodeTags()
 NEMOTRON = CodeTags("<tool_call>\n", "</tool_call>\n", "```output\n", "```\n")
@@ -171,7 +171,8 @@ def test_tool_call_records_the_error_kind_and_cut_output(pool):
 
 def test_local_entropy_is_measured_at_the_boxed_answer(pool):
     # a long unsure lead-up (p = 0.5 per token), then a confident answer (p = 0.99)
-    eng = ScriptedEngine(lambda p, r: ["hmm "] * 50 + ["so \\boxed{3}"], chunk_prob=lambda r, c: 0.99 if "boxed" in c else 0.5)
+    eng = ScriptedEngine(lambda p, r: ["hmm "] * 50 + ["so \\boxed{3}"],
+                         chunk_prob=lambda r, c: 0.99 if "boxed" in c else 0.5)
     t = run(client(eng, pool, top_logprobs=2, answer_window=8).run(eng.tokenize("p"), 0, 1))
     assert t.mean_entropy > 0.5 and t.local_entropy == pytest.approx(-(0.99 * math.log(0.99) + 0.01 * math.log(0.01)))
     t = run(client(eng, pool, top_logprobs=2, answer_window=10_000).run(eng.tokenize("p"), 0, 2))

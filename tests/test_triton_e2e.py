@@ -21,9 +21,10 @@ import pytest
 pytest.importorskip("tritonclient.grpc")
 pytest.importorskip("pytriton")
 
-from aimo_spec.protocol import Final, Request, SamplingParams, collect  # noqa: E402
 from hang_guard import fail_after  # noqa: E402
 from streams import cancel_after  # noqa: E402
+
+from aimo_spec.protocol import Final, Request, SamplingParams, collect  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TEST_SECONDS = 240  # no test here may hang CI: past this, stacks are dumped and the test fails
@@ -167,9 +168,9 @@ def test_stop_a_request_mid_stream_and_the_server_moves_on(engine):
 
 def test_solver_runs_tir_over_triton(server, tiny_models, tmp_path):
     """The solver, the TIR client and the sandbox, unchanged, over the triton backend."""
+    from aimo_spec.recipe import SolverSpec
     from sandbox import Limits, SandboxConfig, SandboxPool
     from server.solver import Solver
-    from aimo_spec.recipe import SolverSpec
     from server.tir import TIRClient
     from server.triton.engine import TritonEngine
 
@@ -177,7 +178,8 @@ def test_solver_runs_tir_over_triton(server, tiny_models, tmp_path):
     try:
         with SandboxPool(SandboxConfig(limits=Limits(wall_seconds=3), pool_size=2)) as pool:
             client = TIRClient(eng, pool, sampling=SamplingParams(temperature=0.7, max_tokens=48))
-            solver = Solver(eng, client, SolverSpec(samples=4, early_stop_first=3, early_stop_agree=2, enough_finished=4))
+            solver = Solver(eng, client, SolverSpec(samples=4, early_stop_first=3, early_stop_agree=2,
+                                                    enough_finished=4))
             result = run(solver.solve("p", "What is 6 times 7?", deadline=time.monotonic() + 90))
     finally:
         eng.shutdown()
@@ -238,7 +240,8 @@ def stream_infer(server: Server, values: dict, timeout: float = 60.0) -> tuple[l
                 errors.append(str(error))
                 break
             response = result.get_response()
-            if response.parameters.get("triton_final_response") and response.parameters["triton_final_response"].bool_param:
+            if (response.parameters.get("triton_final_response")
+                    and response.parameters["triton_final_response"].bool_param):
                 break
             outputs.append(result)
         return outputs, errors

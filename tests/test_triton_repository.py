@@ -12,11 +12,12 @@ import json
 from pathlib import Path
 
 import pytest
+from triton_double import write_templates
+from upstream import snapshot
 
 from server.triton import repository
 from server.triton.repository import MODELS, launch_command, make_repository
-from triton_double import write_templates
-from upstream import snapshot
+
 
 def templates(tmp_path: Path, drop: tuple[str, str] | None = None, **extra) -> Path:
     return write_templates(tmp_path, drop, **extra)
@@ -110,8 +111,9 @@ def test_launch_command_one_gpu_and_tensor_parallel(tmp_path):
 
 
 def test_deploy_without_a_trtllm_engine_says_what_to_build(tiny_models, tmp_path, capsys):
-    from server.programs.triton_deploy import main
     from small_recipes import write_recipe
+
+    from server.programs.triton_deploy import main
 
     recipe = write_recipe(tmp_path, "nobuild", {"cot": {"kind": "hf", "path": str(tiny_models["llama-cot"])},
                                                 "tir": {"kind": "hf", "path": str(tiny_models["llama-tir"])}})
@@ -122,7 +124,8 @@ def test_deploy_without_a_trtllm_engine_says_what_to_build(tiny_models, tmp_path
 # ------------------------------------------------------------------ issue 17: what upstream's templates need
 def test_fill_template_defaults_are_upstreams():
     """tools/fill_template.py fills these in every template unless told otherwise."""
-    assert getattr(repository, 'FILL_TEMPLATE_DEFAULTS', None) == {k: str(v) for k, v in snapshot()["triton"]["fill_template_defaults"].items()}
+    assert getattr(repository, 'FILL_TEMPLATE_DEFAULTS', None) == {
+        k: str(v) for k, v in snapshot()["triton"]["fill_template_defaults"].items()}
 
 
 def filled(tmp_path: Path, model: str) -> tuple[str, dict]:

@@ -12,10 +12,10 @@ import asyncio
 import time
 
 import pytest
-
 import triton_double as tdbl
-from aimo_spec.protocol import Delta, Request, SamplingParams, collect
 from upstream import snapshot
+
+from aimo_spec.protocol import Delta, Request, SamplingParams, collect
 
 LONG = 150
 

@@ -16,15 +16,15 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 import trtllm_double as dbl
 from trtllm_command_double import FakeRunner, drafter_modules
+from trtllm_contract_kit import A100, H100, PY, drafter_folder, examples, flags, gpu_env, project  # noqa: F401
 from upstream import snapshot
+
+from aimo_spec.recipe import RecipeError
 from trtbuild import build as build_stage
 from trtbuild import manifest as mf
-from aimo_spec.recipe import RecipeError
 from trtbuild.trtllm.env import parse_nvidia_smi
-from trtllm_contract_kit import A100, H100, PY, drafter_folder, examples, flags, gpu_env, project  # noqa: F401
 
 
 # ------------------------------------------------------------------ build: commands and calls
@@ -129,7 +129,8 @@ def test_tp2_converts_each_rank_and_builds_with_two_workers(project, examples):
     runner = FakeRunner()
     out = build_stage.run(recipe, "trtllm", trtllm_env=gpu_env(examples, (H100, H100)), runner=runner)
     convert = [c for c in dbl.CALLS if c[0].endswith("from_hugging_face")]
-    assert [(c["mapping"].rank, c["mapping"].tp_size, c["mapping"].world_size) for _, c in convert] == [(0, 2, 2), (1, 2, 2)]
+    assert [(c["mapping"].rank, c["mapping"].tp_size, c["mapping"].world_size)
+            for _, c in convert] == [(0, 2, 2), (1, 2, 2)]
     assert [c["save_config"] for n, c in dbl.CALLS if n == "save_checkpoint"] == [True, False]
     ckpt_cmd = runner.commands[0][1]
     assert ckpt_cmd[ckpt_cmd.index("--tp_size") + 1] == "2"

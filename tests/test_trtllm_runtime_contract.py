@@ -12,14 +12,13 @@ import json
 from pathlib import Path
 
 import pytest
-
 import trtllm_double as dbl
 from trtllm_command_double import FakeRunner
+from trtllm_contract_kit import drafter_folder, engine_dir, examples, gpu_env, open_engine, project, run  # noqa: F401
 from upstream import snapshot
+
 from aimo_spec.protocol import Delta, Final, Request, SamplingParams, collect
 from trtbuild import build as build_stage
-from trtllm_contract_kit import (drafter_folder, engine_dir, examples, gpu_env, open_engine,  # noqa: F401
-                                 project, run)
 
 
 # ------------------------------------------------------------------ the runtime over the executor
@@ -129,12 +128,14 @@ def test_concurrent_requests_batch_and_reuse_the_kv_prefix(engine_dir):
     dbl.Executor.script = staticmethod(lambda p: [p[-1]] * 6)
     try:
         async def many():
-            reqs = [Request(list(range(10, 30)) + [40 + i], SamplingParams(temperature=0, max_tokens=6)) for i in range(4)]
+            reqs = [Request(list(range(10, 30)) + [40 + i], SamplingParams(temperature=0, max_tokens=6))
+                    for i in range(4)]
             return await asyncio.gather(*(collect(eng, r) for r in reqs))
         results = run(many())
         assert [f.finish_reason for _, f in results] == ["length"] * 4
         assert [f.token_ids[0] for _, f in results] == [40, 41, 42, 43]
-        _, again = run(collect(eng, Request(list(range(10, 30)) + [40] + [40] * 6 + [99], SamplingParams(max_tokens=2))))
+        _, again = run(collect(eng, Request(list(range(10, 30)) + [40] + [40] * 6 + [99],
+                                            SamplingParams(max_tokens=2))))
         assert again.cached_tokens >= 24  # whole KV blocks of the earlier turn (blocks of 4 tokens)
     finally:
         eng.shutdown()

@@ -7,7 +7,6 @@ import re
 from pathlib import Path
 
 import pytest
-
 from upstream import SNAPSHOT, snapshot
 
 UPSTREAM = Path("/tmp/upstream")  # where extract.py's inputs were kept (absent on a fresh machine)

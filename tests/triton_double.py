@@ -31,7 +31,8 @@ def template_text(model: str, drop: tuple[str, ...] = (), extra_bare: tuple[str,
         dtype = t["data_type"]
         if dtype.startswith("${") and dtype[2:-1] in drop:
             dtype = "TYPE_FP32"
-        entries.append(f'  {{ name: "{name}" data_type: {dtype} dims: [ -1 ]{" optional: true" if t["optional"] else ""} }}')
+        entries.append(f'  {{ name: "{name}" data_type: {dtype} dims: [ -1 ]'
+                       f'{" optional: true" if t["optional"] else ""} }}')
     lines += [",\n".join(entries), "]"]
     lines += [f'parameters: {{ key: "{k}" value: {{ string_value: "${{{k}}}" }} }}' for k in quoted]
     return "\n".join(lines) + "\n"
@@ -145,7 +146,8 @@ class FakeTensorrtllmServer:
         missing = [n for n, t in declared.items() if not t["optional"] and n not in given]
         if missing:
             return self._error(request_id, f"{model}: expected inputs {missing}")
-        if model == "tensorrt_llm" and self.stop["input"] in given and bool(given[self.stop["input"]].data.reshape(-1)[0]):
+        if (model == "tensorrt_llm" and self.stop["input"] in given
+                and bool(given[self.stop["input"]].data.reshape(-1)[0])):
             with self._lock:
                 self.stop_requests.append(request_id)
                 r = self.requests.get(request_id)

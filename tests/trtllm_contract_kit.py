@@ -11,13 +11,13 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 import trtllm_double as dbl
-from trtllm_command_double import FakeRunner, parse_flags
 from small_recipes import write_recipe
+from trtllm_command_double import FakeRunner, parse_flags
+
+from aimo_spec.recipe import load_recipe
 from trtbuild import build as build_stage
 from trtbuild import manifest as mf
-from aimo_spec.recipe import load_recipe
 from trtbuild.trtllm.env import Gpu, TrtllmEnv
 
 PY = "/opt/trtllm/bin/python"

@@ -16,9 +16,9 @@ import time
 import traceback
 from pathlib import Path
 
+from aimo_spec.recipe import Recipe, RecipeError, load_recipe
 from trtbuild import manifest as mf
 from trtbuild import stages
-from aimo_spec.recipe import Recipe, RecipeError, load_recipe
 
 STAGES = stages.NAMES
 
@@ -48,10 +48,12 @@ def report(recipe: Recipe) -> str:
     if m:
         c = m["arithmetic_check"]
         lines.append(f"merge: {m['seconds']}s (mergekit {m['merge_seconds']}s), {_mb(m['size_bytes'])}, "
-                     f"check {c['tensors_checked']} tensors max err {c['max_abs_error']:.3g} = {c['max_error_ulps']:.3f} ulp")
+                     f"check {c['tensors_checked']} tensors max err {c['max_abs_error']:.3g} = "
+                     f"{c['max_error_ulps']:.3f} ulp")
         for k, v in m["quality"].items():
             if k.startswith("vs_"):
-                lines.append(f"  merged {k.replace('_', ' ')}: KL {v['kl_mean']:.4f}, agreement {v['token_agreement']:.1%}, "
+                lines.append(f"  merged {k.replace('_', ' ')}: KL {v['kl_mean']:.4f}, "
+                             f"agreement {v['token_agreement']:.1%}, "
                              f"reply len {v['reply_len']:.1f} vs {v['reply_len_ref']:.1f}, code calls "
                              f"{v['code_calls']:.2f} vs {v['code_calls_ref']:.2f}")
     for fmt in recipe.quantize.formats:
@@ -62,7 +64,8 @@ def report(recipe: Recipe) -> str:
                          f"reload {m['reload_error']['max_error_over_bound']:.3f}x bound")
             lines.append(f"  {fmt} vs bf16: KL {q['kl_mean']:.4f}, agreement {q['token_agreement']:.1%}, reply len "
                          f"{q['reply_len']:.1f} vs {q['reply_len_ref']:.1f}, code calls {q['code_calls']:.2f} vs "
-                         f"{q['code_calls_ref']:.2f}" + (f"  [flagged: {'; '.join(m['quality_flags'])}]" if m.get("quality_flags") else ""))
+                         f"{q['code_calls_ref']:.2f}"
+                         + (f"  [flagged: {'; '.join(m['quality_flags'])}]" if m.get("quality_flags") else ""))
     m = mf.read_manifest(layout.drafter)
     if m:
         a, tr = m["acceptance"], m.get("training")

@@ -17,11 +17,10 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from trtbuild import backends
-from trtbuild import manifest as mf
-from trtbuild import stages
 from aimo_spec.layout import ENGINE_FILE
 from aimo_spec.recipe import Recipe
+from trtbuild import backends, stages
+from trtbuild import manifest as mf
 
 # bump VERSION when the output of this stage changes for the same inputs (2: embedded folders carry drafter/;
 # 3: engine.json no longer copies the recipe's serving section)

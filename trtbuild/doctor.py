@@ -23,7 +23,8 @@ def embedded_line() -> tuple[bool, str]:
     missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
     if missing:
         return False, f"{', '.join(missing)} missing: run `make setup`"
-    libs = ", ".join(f"{n} {_version(n)}" for n in ("torch", "transformers", "mergekit", "nvidia-modelopt") if _version(n))
+    libs = ", ".join(f"{n} {_version(n)}" for n in ("torch", "transformers", "mergekit", "nvidia-modelopt")
+                     if _version(n))
     return True, f"{libs}; {os.cpu_count()} CPU cores"
 
 

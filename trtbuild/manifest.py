@@ -54,7 +54,8 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def hash_tree(root: Path, suffixes: tuple[str, ...] = (".safetensors", ".json", ".jinja", ".txt", ".model")) -> dict[str, str]:
+def hash_tree(root: Path,
+              suffixes: tuple[str, ...] = (".safetensors", ".json", ".jinja", ".txt", ".model")) -> dict[str, str]:
     """sha256 of each weight/config file under `root` (relative path -> digest)."""
     return {
         str(p.relative_to(root)): sha256_file(p)

@@ -13,11 +13,11 @@ from typing import Any
 
 import yaml
 
+from aimo_spec.recipe import Recipe
 from merge.check import check_arithmetic
 from merge.config import effective_weights, mergekit_config
 from trtbuild import manifest as mf
 from trtbuild import stages
-from aimo_spec.recipe import Recipe
 
 VERSION = 1  # bump when the output of this stage changes for the same inputs
 STAGE = "merge"
@@ -69,8 +69,8 @@ def _merge(recipe: Recipe, tmp: Path, final: Path) -> dict[str, Any]:
 
 
 def _price_against_sources(recipe: Recipe, merged_dir: Path, dirs: dict[str, Path]) -> dict[str, Any]:
-    from server.embedded.loader import gate_dtype, load_model, use_all_cores
     from aimo_spec.chat import load_tokenizer
+    from server.embedded.loader import gate_dtype, load_model, use_all_cores
     from trtbuild.quality import price, quality_prompts, record_replies
 
     use_all_cores()

@@ -42,7 +42,8 @@ def quality_prompts(recipe: Recipe, tokenizer: Any) -> list[list[int]]:
 
 
 @torch.no_grad()
-def record_replies(model: Any, tokenizer: Any, prompts: list[list[int]], max_new_tokens: int, batch: int = 8) -> Replies:
+def record_replies(model: Any, tokenizer: Any, prompts: list[list[int]], max_new_tokens: int,
+                   batch: int = 8) -> Replies:
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     tokens: list[list[int]] = []

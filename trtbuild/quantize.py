@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from aimo_spec.recipe import Recipe
 from trtbuild import manifest as mf
 from trtbuild import stages
-from aimo_spec.recipe import Recipe
 
 VERSION = 1  # bump when the output of this stage changes for the same inputs
 STAGE = "quantize"
@@ -100,8 +100,8 @@ def _quantize_one(recipe: Recipe, fmt: str, merged_dir: Path, final: Path, tmp: 
     from modelopt.torch.export import export_hf_checkpoint, export_tensorrt_llm_checkpoint
     from modelopt.torch.export.model_utils import get_model_type
 
-    from server.embedded.loader import load_model
     from aimo_spec.chat import load_tokenizer
+    from server.embedded.loader import load_model
     from trtbuild.quality import price
 
     tok = load_tokenizer(merged_dir)
@@ -170,8 +170,8 @@ def run(recipe: Recipe) -> Path:
         final = layout.quantize_format(fmt)
         if not stages.current(f"{STAGE}/{fmt}", final, fps[fmt]):
             if ref is None:
-                from server.embedded.loader import gate_dtype, load_model, use_all_cores
                 from aimo_spec.chat import load_tokenizer
+                from server.embedded.loader import gate_dtype, load_model, use_all_cores
                 from trtbuild.quality import quality_prompts, record_replies
 
                 use_all_cores()
@@ -183,7 +183,8 @@ def run(recipe: Recipe) -> Path:
                     ref_model, tok, quality_prompts(recipe, tok), recipe.quality.max_new_tokens)}
             reference = ref
             stages.produce(f"{STAGE}/{fmt}", final, fps[fmt],
-                           lambda tmp, fmt=fmt, final=final: _quantize_one(recipe, fmt, merged_dir, final, tmp, reference))
+                           lambda tmp, fmt=fmt, final=final: _quantize_one(recipe, fmt, merged_dir, final, tmp,
+                                                                           reference))
         results[fmt] = mf.read_manifest(final)
     stages.summarize(
         STAGE, out, stage_fp, started, merged_bytes=mf.dir_size(merged_dir),

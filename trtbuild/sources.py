@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from aimo_spec.recipe import GGUFPackageSource, HFSource, Recipe, TIRFinetuneSource, gguf_file, to_data
 from trtbuild import manifest as mf
 from trtbuild import stages
-from aimo_spec.recipe import GGUFPackageSource, HFSource, Recipe, TIRFinetuneSource, gguf_file, to_data
 from trtbuild.tir_data import VERSION as TIR_VERSION
 
 VERSION = 2  # bump when the output of this stage changes for the same inputs (2: TIR fine-tune in float32 on CPU)

@@ -10,7 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 CHATML = (
-    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% for message in messages %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -50,7 +51,8 @@ def make_model(out: Path, arch: str = "llama", seed: int = 0, tokenizer_from: Pa
                   num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                   max_position_embeddings=1024,
                   bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    config = LlamaConfig(**common, tie_word_embeddings=True) if arch == "llama" else Qwen2Config(**common, tie_word_embeddings=False)
+    config = (LlamaConfig(**common, tie_word_embeddings=True) if arch == "llama"
+              else Qwen2Config(**common, tie_word_embeddings=False))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     with torch.no_grad():

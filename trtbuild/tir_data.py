@@ -18,7 +18,6 @@ from typing import Callable
 from aimo_spec.chat import output_block
 from aimo_spec.recipe import CodeTags
 
-
 VERSION = 1  # bump when the traces or the fine-tune (tir_finetune.py) change for the same recipe
 
 
@@ -53,13 +52,15 @@ def _multiples(r: random.Random) -> Problem:
     n, a, b = r.randint(100, 5000), r.randint(2, 13), r.randint(2, 13)
     return Problem(
         f"How many integers from 1 to {n} are divisible by {a} or by {b}?",
-        f"count = 0\nfor k in range(1, {n} + 1):\n    if k % {a} == 0 or k % {b} == 0:\n        count += 1\nprint(count)",
+        f"count = 0\nfor k in range(1, {n} + 1):\n"
+        f"    if k % {a} == 0 or k % {b} == 0:\n        count += 1\nprint(count)",
     )
 
 
 def _lcm(r: random.Random) -> Problem:
     a, b, c = r.randint(2, 60), r.randint(2, 60), r.randint(2, 60)
-    return Problem(f"What is the least common multiple of {a}, {b} and {c}?", f"import math\nprint(math.lcm({a}, {b}, {c}))")
+    return Problem(f"What is the least common multiple of {a}, {b} and {c}?",
+                   f"import math\nprint(math.lcm({a}, {b}, {c}))")
 
 
 def _digit_sum(r: random.Random) -> Problem:

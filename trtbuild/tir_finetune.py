@@ -18,10 +18,10 @@ from typing import Any
 import torch
 
 from aimo_spec.chat import encode, load_tokenizer, render_prompt
+from aimo_spec.recipe import CodeTags, TIRFinetuneSource
 from server.embedded.loader import load_model, use_all_cores
 from server.embedded.settings import resolve_device
 from trtbuild.manifest import log
-from aimo_spec.recipe import CodeTags, TIRFinetuneSource
 from trtbuild.tir_data import Trace, make_traces
 
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -58,7 +58,8 @@ def _batch_loss(model: Any, batch: list[tuple[list[int], int]], pad_id: int) -> 
     return torch.nn.functional.cross_entropy(logits, labels)
 
 
-def finetune(spec: TIRFinetuneSource, base_dir: Path, out_dir: Path, tags: CodeTags, system_prompt: str | None) -> dict[str, Any]:
+def finetune(spec: TIRFinetuneSource, base_dir: Path, out_dir: Path, tags: CodeTags,
+             system_prompt: str | None) -> dict[str, Any]:
     from peft import LoraConfig, get_peft_model
 
     use_all_cores()

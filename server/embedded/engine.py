@@ -135,8 +135,8 @@ class EmbeddedEngine(EngineBase):
     def from_dir(cls, engine_dir: str | Path, **overrides: Any) -> "EmbeddedEngine":
         """Serve a folder written by `make engine` (build/embedded/) or a plain HF checkpoint folder;
         `server.embedded.settings.engine_options` says how its settings are resolved."""
-        from server.embedded.loader import load_model
         from aimo_spec.chat import load_tokenizer
+        from server.embedded.loader import load_model
 
         model_dir, kw = engine_options(engine_dir, overrides)
         return cls(load=lambda: (load_model(model_dir), load_tokenizer(model_dir)), **kw)

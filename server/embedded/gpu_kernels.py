@@ -99,7 +99,8 @@ def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bia
 
 
 def fp8_linear(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tensor,
-               input_scale: Optional[torch.Tensor], bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+               input_scale: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+               out_dtype: torch.dtype) -> torch.Tensor:
     """Per-tensor FP8: x / input_scale -> e4m3, one `_scaled_mm` with both scales (fp32 accumulate)."""
     shape = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])

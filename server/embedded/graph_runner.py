@@ -30,8 +30,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from server.embedded.qlinear import Int8WeightOnlyLinear
 from server.embedded.base_runner import BaseRunner, Draft
+from server.embedded.qlinear import Int8WeightOnlyLinear
 
 MIN_CONTEXT_BUCKET = 256
 
@@ -68,7 +68,8 @@ def _fuse(mods: list[Any]) -> Callable[[torch.Tensor], torch.Tensor]:
         if any(x is not None for x in bias) and b is None:
             return lambda x: torch.cat([m(x) for m in mods], -1)
         return lambda x: F.linear(x, w, b)
-    if all(isinstance(m, Int8WeightOnlyLinear) for m in mods) and all((m.bias is None) == (mods[0].bias is None) for m in mods):
+    if (all(isinstance(m, Int8WeightOnlyLinear) for m in mods)
+            and all((m.bias is None) == (mods[0].bias is None) for m in mods)):
         fused = Int8WeightOnlyLinear(torch.cat([m.weight for m in mods], 0), torch.cat([m.scale for m in mods], 0),
                                      None if mods[0].bias is None else torch.cat([m.bias for m in mods], 0),
                                      mods[0].scale.dtype)

@@ -29,8 +29,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from server.embedded.sampler import _keep_sorted, gumbel_noise, row_distribution
 from aimo_spec.protocol import SamplingParams
+from server.embedded.sampler import _keep_sorted, gumbel_noise, row_distribution
 
 # Largest running batch that still drafts, per device type, when the recipe leaves it at 0; above it
 # the engine decodes one token per step. Measured by `make bench` (server/bench/speculative.py) on the

@@ -172,7 +172,8 @@ def prepare_drafter(model: Any, source: Any, spec: SpecConfig, max_batch: int, d
                  ) -> tuple[Any, Any]:
     """(drafter, token embedding) for speculative decoding on `model`: `source` is a ReDrafter module or
     its folder; checked against the model, put on the device, and announced on stderr."""
-    from server.embedded.redrafter import ReDrafter, int8_vocab_head, load_drafter as read_drafter
+    from server.embedded.redrafter import ReDrafter, int8_vocab_head
+    from server.embedded.redrafter import load_drafter as read_drafter
 
     drafter = source if isinstance(source, ReDrafter) else read_drafter(source)
     cfg = model.config

@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from server.kaggle.competitions import competition as competition_facts
 from aimo_spec.atomic import write_atomic
+from server.kaggle.competitions import competition as competition_facts
 
 
 class GatewayError(RuntimeError):

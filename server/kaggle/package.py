@@ -138,7 +138,8 @@ with open("aimo_trt_timings.json", "w") as f:  # the working folder, beside subm
     ]
     for i, cell in enumerate(cells):
         cell["id"] = f"aimo-trt-{i}"
-    return {"cells": cells, "metadata": {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
+    return {"cells": cells, "metadata": {"kernelspec": {"display_name": "Python 3", "language": "python",
+                                                        "name": "python3"},
                                          "language_info": {"name": "python"}},
             "nbformat": 4, "nbformat_minor": 5}
 
@@ -244,7 +245,8 @@ def build(engine_dir: Path, out: Path, problems_csv: Path, serving: ServingSpec,
     shutil.copy(problems_csv, out / "problems.csv")
     (out / "aimo_trt.ipynb").write_text(json.dumps(notebook(dataset_name, problems, competition, trtllm, answer_range),
                                                    indent=1) + "\n")
-    info = {"project": "aimo-trt", "dataset": dataset_name, "answer_range": answer_range, "wheels": sorted(p.name for p in (out / "wheels").glob("*.whl")), "pinned": pinned, "mode": wheels,
+    info = {"project": "aimo-trt", "dataset": dataset_name, "answer_range": answer_range,
+            "wheels": sorted(p.name for p in (out / "wheels").glob("*.whl")), "pinned": pinned, "mode": wheels,
             "backend": "trtllm" if trtllm else "embedded", "trtllm_wheels": [w.name for w in trt_set],
             "engine": str(engine_dir), "competition": competition, "python": python_version, "size_bytes": sum(
                 p.stat().st_size for p in out.rglob("*") if p.is_file())}

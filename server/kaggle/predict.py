@@ -29,10 +29,10 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from aimo_spec.recipe import ANSWER_RANGES, ServingSpec, parse_section
 from server.embedded.settings import serving_settings
 from server.kaggle.rows import answer_frame, read_rows
 from server.problems import tools_note
-from aimo_spec.recipe import ANSWER_RANGES, ServingSpec, parse_section
 
 HEARTBEAT_SECONDS = 30.0
 MIN_RETRY_SECONDS = 5.0  # a restart is worth it only with this much of the problem's time left
@@ -73,8 +73,8 @@ class Predictor:
         tokenizer) instead of opening the engine here. `answer_range`: answers modulo this (default: the
         competition's). `started_at`: the notebook's start (time.time()), to report the time to the
         first call and the first answer."""
-        from server.engine_check import check_engine_folder, EngineFolderError
         from server.backends import read_engine_file
+        from server.engine_check import EngineFolderError, check_engine_folder
 
         self.engine_dir, self.url = Path(engine_dir), url
         try:  # a folder the factory does not open still gives the limits and the tokenizer: check what is read
@@ -121,7 +121,8 @@ class Predictor:
         try:
             self.engine = self.engine_factory()
         except Exception as e:  # noqa: BLE001 - said once, clearly, by the caller's error
-            raise EngineStartError(f"the engine in {self.engine_dir} could not be loaded: {type(e).__name__}: {e}") from e
+            raise EngineStartError(f"the engine in {self.engine_dir} could not be loaded: "
+                                   f"{type(e).__name__}: {e}") from e
         finally:
             done.set()
         self.log(f"engine {self.spec.get('backend')} loaded in {time.monotonic() - t0:.1f}s")
@@ -195,7 +196,8 @@ class Predictor:
             while True:
                 attempt += 1
                 try:
-                    result = asyncio.run(self._solver().solve(f"{pid}#{attempt}" if attempt > 1 else pid, text, deadline))
+                    result = asyncio.run(self._solver().solve(f"{pid}#{attempt}" if attempt > 1 else pid, text,
+                                                              deadline))
                     answer = result.answer
                     engine_failed = bool(result.traces) and all(t.finish == "error" for t in result.traces)
                     self.log(f"{pid}: answer {answer} (votes {dict(result.votes)}, {result.finished} finished, "

@@ -17,8 +17,16 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from server.evaluate import (budget_curve, markdown, parse_tool_settings, plots, run_variant, summarize, variant_dirs,
-                             with_tool_setting)
+from server.evaluate import (
+    budget_curve,
+    markdown,
+    parse_tool_settings,
+    plots,
+    run_variant,
+    summarize,
+    variant_dirs,
+    with_tool_setting,
+)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -38,11 +46,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     import os
     import platform
 
+    from aimo_spec.recipe import RecipeError, load_recipe
     from server.assembly import sandbox_for
     from server.embedded.engine import EmbeddedEngine
     from server.embedded.settings import serving_settings
     from server.problems import log, read_problems
-    from aimo_spec.recipe import RecipeError, load_recipe
 
     try:
         recipe = load_recipe(args.recipe)
@@ -55,7 +63,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.max_tokens:
         import dataclasses
 
-        serving = dataclasses.replace(serving, sampling=dataclasses.replace(serving.sampling, max_tokens=args.max_tokens))
+        serving = dataclasses.replace(serving,
+                                      sampling=dataclasses.replace(serving.sampling, max_tokens=args.max_tokens))
     dirs = variant_dirs(recipe) if not args.url else {"served": Path(args.url)}
     names = [v for v in args.variants.split(",") if v] or list(dirs) if not args.url else ["served"]
     missing = [n for n in names if n not in dirs or not args.url and not (dirs[n] / "config.json").is_file()]
@@ -71,7 +80,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         t = dataclasses.replace(t, wall_seconds=max(s[2] for s in settings.values()))
     runs = [(name, "", serving) for name in names] if not settings else [
-        (name, f"@{label}", with_tool_setting(serving, setting)) for name in names for label, setting in settings.items()]
+        (name, f"@{label}", with_tool_setting(serving, setting))
+        for name in names for label, setting in settings.items()]
     report: dict[str, Any] = {"recipe": str(args.recipe), "data": str(args.data), "k": args.k,
                               "max_tokens": serving.sampling.max_tokens, "seconds_per_problem": args.seconds,
                               "problems": len(problems), "date": time.strftime("%Y-%m-%d"),

@@ -25,7 +25,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--wheels", choices=("project", "runtime"), default="runtime")
     ap.add_argument("--competition", choices=("aimo3", "aimo2"), default=None,
                     help="default: the recipe's kaggle.competition")
-    ap.add_argument("--dataset-name", default="aimo-trt", help="the Kaggle dataset's name (slug) the notebook looks for")
+    ap.add_argument("--dataset-name", default="aimo-trt",
+                    help="the Kaggle dataset's name (slug) the notebook looks for")
     ap.add_argument("--backend", choices=("auto", "embedded", "trtllm"), default="auto",
                     help="auto: the trtllm engine when one was built, else the embedded one")
     ap.add_argument("--trtllm-wheels", type=Path, default=None,
@@ -33,8 +34,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--python-version", default=KAGGLE_PYTHON,
                     help=f"the Python of the Kaggle image the wheels are for (default {KAGGLE_PYTHON}, Kaggle's)")
     args = ap.parse_args(argv)
-    from server.engine_check import EngineFolderError
     from aimo_spec.recipe import RecipeError, load_recipe
+    from server.engine_check import EngineFolderError
 
     try:
         recipe = load_recipe(args.recipe)

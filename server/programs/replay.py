@@ -41,7 +41,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     variant = args.variant or (served if served in data["variants"] else next(
         (v for v in data["variants"] if v.startswith(served + "@")), next(iter(data["variants"]))))
     if variant not in data["variants"]:
-        print(f"replay: --variant {variant!r} is not in {args.eval} (has: {', '.join(data['variants'])})", file=sys.stderr)
+        print(f"replay: --variant {variant!r} is not in {args.eval} (has: {', '.join(data['variants'])})",
+              file=sys.stderr)
         return 2
     votes = [v for v in args.votes.split(",") if v]
     bad = [v for v in votes if v not in VOTES]
@@ -68,9 +69,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"Votes over all recorded samples (weight cap {cap}):")
     print(f"{'vote':<14} {'correct':>8} {'accuracy':>9} {'differs from majority':>22} {'samples with logprobs':>22}")
     for a in accuracy:
-        print(f"{a['vote']:<14} {a['correct']:>4}/{a['problems']:<3} {a['accuracy']:>9} {a['differs_from_majority']:>22} "
-              f"{a['samples_with_logprobs']:>22}")
-    print(f"{'policy':<7} {'rule':<9} {'vote':<14} {'expected score':>14} {'stdev':>6} {'min':>4} {'max':>4} {'time left s':>11}")
+        print(f"{a['vote']:<14} {a['correct']:>4}/{a['problems']:<3} {a['accuracy']:>9} "
+              f"{a['differs_from_majority']:>22} {a['samples_with_logprobs']:>22}")
+    print(f"{'policy':<7} {'rule':<9} {'vote':<14} {'expected score':>14} {'stdev':>6} {'min':>4} {'max':>4} "
+          f"{'time left s':>11}")
     for r in rows:
         print(f"{r['policy']:<7} {r['rule']:<9} {r['vote']:<14} {r['expected_score']:>14} {r['score_stdev']:>6} "
               f"{r['min_score']:>4} {r['max_score']:>4} {r['mean_time_left']:>11}")

@@ -65,15 +65,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--model-name", default=None, help="the name clients use (default: the recipe's, or the folder's)")
-    ap.add_argument("--drain-seconds", type=float, default=30.0, help="on SIGTERM, how long running requests may finish")
+    ap.add_argument("--drain-seconds", type=float, default=30.0,
+                    help="on SIGTERM, how long running requests may finish")
     ap.add_argument("--max-batch-size", type=int, default=None, help="override the engine's limit (embedded)")
     ap.add_argument("--max-seq-len", type=int, default=None, help="override the engine's limit (embedded)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads of the embedded engine")
     ap.add_argument("--access-log", action="store_true", help="log every HTTP request")
     ap.add_argument("--deterministic", action="store_true",
-                    help="embedded engine: the same greedy tokens for a request alone and in any batch (slower; README)")
+                    help="embedded engine: the same greedy tokens for a request alone and in any batch "
+                         "(slower; README)")
     ap.add_argument("--max-request-bytes", type=int, default=None,
-                    help="refuse bodies over this size with 413 (default 8 MiB: a 128k-token prompt as JSON ids is ~1 MB)")
+                    help="refuse bodies over this size with 413 "
+                         "(default 8 MiB: a 128k-token prompt as JSON ids is ~1 MB)")
     args = ap.parse_args(argv)
     try:
         import uvicorn

@@ -17,11 +17,11 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from aimo_spec.atomic import write_atomic
+from aimo_spec.recipe import RecipeError, load_recipe
 from server.assembly import build_solver, sandbox_for
 from server.backends import SERVING_BACKENDS, open_for_recipe
 from server.embedded.settings import serving_settings
-from aimo_spec.atomic import write_atomic
-from aimo_spec.recipe import RecipeError, load_recipe
 
 INTERRUPTED = 130
 

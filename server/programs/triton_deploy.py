@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from server.triton.repository import launch_command, make_repository
 from aimo_spec.recipe import RecipeError, load_recipe
+from server.triton.repository import launch_command, make_repository
 
 
 def main(argv: Optional[list[str]] = None) -> int:

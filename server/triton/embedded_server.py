@@ -43,7 +43,8 @@ def _required(req: Any, name: str) -> Any:
     v = _scalar(req, name)
     if v is None:
         raise BadRequest(f"input '{name}' is required (the ensemble's inputs: text_input and max_tokens; "
-                         "optional: stream, temperature, top_p, top_k, seed, stop_words, end_id, input_ids, top_logprobs)")
+                         "optional: stream, temperature, top_p, top_k, seed, stop_words, end_id, input_ids, "
+                         "top_logprobs)")
     return v
 
 
@@ -69,10 +70,12 @@ class Servable:
         if max_tokens < 1:
             raise BadRequest(f"input 'max_tokens' must be >= 1 (got {max_tokens})")
         ids = req.data.get("input_ids")
-        prompt: Any = [int(i) for i in np.asarray(ids).reshape(-1)] if ids is not None and np.asarray(ids).size else text
+        prompt: Any = ([int(i) for i in np.asarray(ids).reshape(-1)] if ids is not None and np.asarray(ids).size
+                       else text)
         if not prompt:
             raise BadRequest("input 'text_input' is empty (and no input_ids were given)")
-        stops = tuple(_text(s) for s in np.asarray(req.data["stop_words"]).reshape(-1)) if "stop_words" in req.data else ()
+        stops = (tuple(_text(s) for s in np.asarray(req.data["stop_words"]).reshape(-1)) if "stop_words" in req.data
+                 else ())
         end_id = _scalar(req, "end_id")
         temperature, top_p = float(_scalar(req, "temperature", 0.0)), float(_scalar(req, "top_p", 1.0) or 1.0)
         for name, value, lo, hi in (("temperature", temperature, 0.0, 100.0), ("top_p", top_p, 0.0, 1.0)):
@@ -98,7 +101,8 @@ class Servable:
             rid = self.running.get(key)
             if rid is not None:
                 self.engine.cancel(rid)
-            yield [{"text_output": np.array([b""], dtype=object), "finish_reason": np.array([b"stop_sent"], dtype=object)}]
+            yield [{"text_output": np.array([b""], dtype=object),
+                    "finish_reason": np.array([b"stop_sent"], dtype=object)}]
             return
         request = self.request_from(req)
         stream = bool(_scalar(req, "stream", True))
@@ -116,7 +120,8 @@ class Servable:
                     out = {"text_output": np.array([ev.text.encode()], dtype=object),
                            "token_ids": np.array(ev.token_ids, dtype=np.int32)}
                     if ev.logprobs:
-                        out["logprobs"] = np.array([p for top in ev.logprobs for p in top], dtype=np.float32).reshape(-1, 2)
+                        out["logprobs"] = np.array([p for top in ev.logprobs for p in top],
+                                                   dtype=np.float32).reshape(-1, 2)
                     yield [out]
                 elif isinstance(ev, Final):
                     tail = "".join(text) if not stream else ""

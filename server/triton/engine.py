@@ -23,11 +23,19 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from aimo_spec.chat import load_tokenizer
 from aimo_spec.protocol import FINISH_REASONS, FinishReason, SamplingParams
 from server.stream import EngineBase, RequestStream
-from server.triton.interface import (INPUTS, KEY_PARAMETER, MODEL, STOP_PARAMETER, TRTLLM_INPUTS, TRTLLM_MODEL,
-                                     TRTLLM_STOP_INPUTS, Field)
-from aimo_spec.chat import load_tokenizer
+from server.triton.interface import (
+    INPUTS,
+    KEY_PARAMETER,
+    MODEL,
+    STOP_PARAMETER,
+    TRTLLM_INPUTS,
+    TRTLLM_MODEL,
+    TRTLLM_STOP_INPUTS,
+    Field,
+)
 
 CANCEL_GRACE_SECONDS = 5.0
 
@@ -247,7 +255,8 @@ class TritonEngine(EngineBase):
                 self._pending[request.request_id] = p
                 self._client.async_stream_infer(self._target, self._inputs(stream.prompt, request.params),
                                                 request_id=request.request_id,
-                                                parameters=None if self._direct else {KEY_PARAMETER: request.request_id},
+                                                parameters=(None if self._direct
+                                                            else {KEY_PARAMETER: request.request_id}),
                                                 enable_empty_final_response=True)
         except Exception as e:  # noqa: BLE001 - a dead server is an error of this request, said plainly
             with self._lock:
@@ -313,7 +322,8 @@ class TritonEngine(EngineBase):
             now = time.monotonic()
             with self._lock:
                 for p in list(self._pending.values()):
-                    if p.stream.request.deadline is not None and now >= p.stream.request.deadline and p.stop_sent is None:
+                    if (p.stream.request.deadline is not None and now >= p.stream.request.deadline
+                            and p.stop_sent is None):
                         self._send_stop(p, "timeout")
                         self._finish(p, "timeout")
                     elif p.stop_sent is not None and now - p.stop_sent > CANCEL_GRACE_SECONDS:

@@ -64,7 +64,8 @@ def templates_dir() -> Optional[Path]:
 
 
 def values(engine_dir: Path, spec: dict[str, Any]) -> dict[str, dict[str, str]]:
-    """The placeholder values per model, from engine.json (what the build decided: limits, files, the trtllm section)."""
+    """The placeholder values per model, from engine.json (what the build decided: limits, files, the trtllm
+    section)."""
     t, limits = spec.get("trtllm") or {}, spec["limits"]
     tokenizer = str((engine_dir / spec.get("model_dir", "model")).resolve())
     engine = str((engine_dir / spec.get("engine_dir", "engine")).resolve())

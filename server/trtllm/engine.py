@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from aimo_spec.chat import load_tokenizer
 from aimo_spec.protocol import FinishReason, Request, SamplingParams
 from server.stream import EngineBase, RequestStream
-from aimo_spec.chat import load_tokenizer
 
 POLL = datetime.timedelta(milliseconds=20)
 CANCEL_GRACE_SECONDS = 5.0  # a cancelled request the executor never finalises is finalised here

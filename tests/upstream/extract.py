@@ -129,7 +129,8 @@ def plugin_flags(text: str, where: str) -> tuple[dict[str, dict[str, Any]], dict
         choices = ["enable", "disable"] if types[name] == "bool" else None
         literal = re.search(r"Literal\[([^\]]*)\]", types[name])
         if literal:
-            choices = [a or b or "disable" for a, b, _ in re.findall(r"'([^']*)'|\"([^\"]*)\"|(None)", literal.group(1))]
+            choices = [a or b or "disable"
+                       for a, b, _ in re.findall(r"'([^']*)'|\"([^\"]*)\"|(None)", literal.group(1))]
         flags["--" + name] = {"takes_value": True, "choices": choices, "default": defaults[name], "required": False,
                               "aliases": []}
     return flags, defaults
@@ -280,7 +281,8 @@ def template_facts(text: str) -> dict[str, Any]:
     names = sorted(set(PLACEHOLDER.findall(body)))
     quoted = set(re.findall(r'"\$\{(\w+)\}"', body))
     return {"placeholders": names, "bare_placeholders": sorted(set(names) - quoted),
-            "inputs": _tensors(_list_section(body, "input")), "outputs": sorted(_tensors(_list_section(body, "output")))}
+            "inputs": _tensors(_list_section(body, "input")),
+            "outputs": sorted(_tensors(_list_section(body, "output")))}
 
 
 def docs_mandatory(text: str) -> dict[str, list[str]]:

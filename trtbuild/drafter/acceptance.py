@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from trtbuild.drafter.data import Sequence
 from server.embedded.redrafter import ReDrafter
+from trtbuild.drafter.data import Sequence
 from trtbuild.drafter.train import hidden_states
 
 
@@ -36,7 +36,6 @@ def positions(seqs: list[Sequence], n: int, seed: int) -> dict[int, list[int]]:
 def measure(model: Any, drafter: ReDrafter, seqs: list[Sequence], num_beams: int, draft_len: int,
             n_positions: int, seed: int = 0) -> dict[str, Any]:
     from server.embedded.runner import SlotRunner
-
     from trtbuild.drafter.train import device_of, frozen_embedding
 
     dev = device_of(model)

@@ -61,7 +61,8 @@ async def _generate(engine: Any, sandbox: Any, recipe: Recipe, texts: list[str],
     return list(await asyncio.gather(*jobs))
 
 
-def generate(recipe: Recipe, target_dir: Path, train: bool = True, log: Any = print) -> tuple[list[Sequence], list[Sequence]]:
+def generate(recipe: Recipe, target_dir: Path, train: bool = True,
+             log: Any = print) -> tuple[list[Sequence], list[Sequence]]:
     """(training, held-out) samples of the target, with the real sandbox; training is empty when
     `train` is false (a given drafter is only measured)."""
     from server.assembly import sandbox_for

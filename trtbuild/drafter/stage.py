@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from aimo_spec.recipe import Recipe
 from trtbuild import manifest as mf
 from trtbuild import stages
-from aimo_spec.recipe import Recipe
 
 VERSION = 1  # bump when the output of this stage changes for the same inputs
 STAGE = "drafter"
@@ -54,7 +54,8 @@ def _make(recipe: Recipe, final: Path, tmp: Path) -> dict[str, Any]:
     d = recipe.drafter
     target = target_dir(recipe)
     if not (target / "config.json").is_file():
-        raise FileNotFoundError(f"drafter: no {recipe.build.quantization} weights at {target}: run the earlier stages first")
+        raise FileNotFoundError(f"drafter: no {recipe.build.quantization} weights at {target}: "
+                                "run the earlier stages first")
     log = lambda msg: mf.log(STAGE, msg)  # noqa: E731
     t = time.time()
     train_seqs, held = data.generate(recipe, target, train=not d.path, log=log)

@@ -18,10 +18,10 @@ from typing import Any, Callable
 import torch
 from torch.nn import functional as F
 
-from trtbuild.drafter.data import Sequence
+from aimo_spec.recipe import DrafterTrainSpec
 from server.embedded.redrafter import DrafterConfig, ReDrafter
 from server.embedded.settings import resolve_device
-from aimo_spec.recipe import DrafterTrainSpec
+from trtbuild.drafter.data import Sequence
 
 
 @dataclass
@@ -115,7 +115,8 @@ def train(model: Any, train_seqs: list[Sequence], heldout_seqs: list[Sequence], 
     opt = torch.optim.AdamW(drafter.parameters(), lr=spec.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=spec.lr, total_steps=spec.steps, pct_start=0.1)
     before = accuracy(drafter, embed, held)
-    log(f"{len(ex.context)} training / {len(held.context)} held-out positions (hidden states in {hidden_seconds:.1f}s); "
+    log(f"{len(ex.context)} training / {len(held.context)} held-out positions "
+        f"(hidden states in {hidden_seconds:.1f}s); "
         f"held-out top-1 per step before training {before}")
     curve, losses = [], []
     t1 = time.time()
@@ -138,7 +139,8 @@ def train(model: Any, train_seqs: list[Sequence], heldout_seqs: list[Sequence], 
     report = {"positions": n, "heldout_positions": len(held.context), "hidden_seconds": round(hidden_seconds, 1),
               "train_seconds": round(time.time() - t1, 1), "steps": spec.steps, "batch_size": spec.batch_size,
               "heldout_top1_before": before, "train_loss_first": round(losses[0], 4),
-              "train_loss_last": round(sum(losses[-5:]) / len(losses[-5:]), 4), "heldout_top1": curve[-1]["heldout_top1"], "curve": curve,
+              "train_loss_last": round(sum(losses[-5:]) / len(losses[-5:]), 4),
+              "heldout_top1": curve[-1]["heldout_top1"], "curve": curve,
               "parameters": sum(p.numel() for p in drafter.parameters()), "device": str(device)}
     return drafter.cpu(), report
 

@@ -46,8 +46,8 @@ def write_recipe(folder: Path, name: str, model: Path, quantization: str) -> Pat
 
 def build(folder: Path, name: str, model: Path, quantization: str, env: Any, runner: Any) -> Path:
     """The pipeline's own trtllm build on a recipe whose merge is the tiny model itself."""
-    from trtbuild import build as build_stage
     from aimo_spec.recipe import load_recipe
+    from trtbuild import build as build_stage
 
     recipe = load_recipe(write_recipe(folder, name, model, quantization))
     merged = recipe.layout.merged

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from aimo_spec.recipe import Recipe
 from trtbuild import manifest as mf
 from trtbuild import stages
-from aimo_spec.recipe import Recipe
 from trtbuild.trtllm.convert import ensure_exclusion_list
 from trtbuild.trtllm.env import TrtllmEnv
 from trtbuild.trtllm.preflight import drafter_dir
@@ -143,7 +143,8 @@ def plan(recipe: Recipe, env: TrtllmEnv, upstream: str) -> list[Step]:
                 "--redrafter_num_beams", str(d.num_beams), "--redrafter_draft_len_per_beam", str(d.draft_len_per_beam)]
         if not d.greedy:
             argv.append("--redrafter_no_greedy_search")
-        drafter_hash = mf.sha256_file(drafter / "model.safetensors") if (drafter / "model.safetensors").is_file() else ""
+        drafter_hash = (mf.sha256_file(drafter / "model.safetensors") if (drafter / "model.safetensors").is_file()
+                        else "")
         last_fp = mf.fingerprint({"base": last_fp, "drafter": recipe.section("drafter"), "weights": drafter_hash,
                                   "version": VERSION})
         steps.append(Step("redrafter", tuple(argv), work / "redrafter", last_fp,

@@ -54,7 +54,8 @@ def convert(model_dir: Path, output_dir: Path, tp_size: int, quant_algo: str, dt
     hf_config = json.loads((model_dir / "config.json").read_text())
     arch = (hf_config.get("architectures") or [""])[0]
     if arch not in MODEL_CLASSES:
-        raise ValueError(f"{model_dir}/config.json: architecture {arch!r} is not supported ({', '.join(MODEL_CLASSES)})")
+        raise ValueError(f"{model_dir}/config.json: architecture {arch!r} is not supported "
+                         f"({', '.join(MODEL_CLASSES)})")
     cls = getattr(models, MODEL_CLASSES[arch])
     kw = quant_config_kwargs(quant_algo)
     if kw:

@@ -100,7 +100,8 @@ def check(recipe: Recipe, env: Optional[TrtllmEnv], model_config: dict[str, Any]
                     fail("drafter.path", f"the drafter's config.json lacks {key!r}", d.path)
             trained = drafter_config.get(TRAINED_DRAFT_LEN_KEY)
             if trained is not None and d.draft_len_per_beam > int(trained):
-                fail("drafter.draft_len_per_beam", f"the drafter was trained for {trained} draft steps", d.draft_len_per_beam)
+                fail("drafter.draft_len_per_beam", f"the drafter was trained for {trained} draft steps",
+                     d.draft_len_per_beam)
             hidden = model_config.get("hidden_size")
             if hidden and drafter_config.get("hidden_size") not in (None, hidden):
                 fail("drafter.path", f"drafter hidden_size {drafter_config.get('hidden_size')} != the model's {hidden}",

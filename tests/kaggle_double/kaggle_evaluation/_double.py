@@ -193,7 +193,8 @@ class Gateway:
         self.competition, self.relay = competition, relay
         self.test_path = data_paths[0] if data_paths else FACTS["rerun"]["default_test_path"][competition]
         timeout = os.environ.get("KAGGLE_DOUBLE_TIMEOUT")
-        relay.deadline = float(timeout) if timeout else float(FACTS["timeouts"]["response_timeout_seconds"][competition])
+        relay.deadline = (float(timeout) if timeout
+                          else float(FACTS["timeouts"]["response_timeout_seconds"][competition]))
         self.rules = FACTS["cores"][competition]
         self.report: dict[str, Any] = {"competition": competition, "core": self.rules["package_version"],
                                        "port": relay.port, "calls": [], "deadline_seconds": relay.deadline}
@@ -217,12 +218,14 @@ class Gateway:
             return self.validate_rows_only(prediction, expected)
         if len(prediction) != len(expected):
             raise GatewayRuntimeError(ErrorType.INVALID_SUBMISSION,
-                                      f"Invalid predictions: expected {len(expected)} rows but received {len(prediction)}")
+                                      f"Invalid predictions: expected {len(expected)} rows "
+                                      f"but received {len(prediction)}")
         col = expected.columns[0]
         if col not in prediction.columns:
             raise GatewayRuntimeError(ErrorType.INVALID_SUBMISSION, f"Prediction missing column {col}")
         if not pl.Series(prediction[col]).equals(pl.Series(expected[col])):
-            raise GatewayRuntimeError(ErrorType.INVALID_SUBMISSION, f"Invalid values for {col} in batch of predictions.")
+            raise GatewayRuntimeError(ErrorType.INVALID_SUBMISSION,
+                                      f"Invalid values for {col} in batch of predictions.")
 
     @staticmethod
     def validate_rows_only(prediction: Any, expected: Any) -> None:
