@@ -279,6 +279,32 @@ def test_graph_runner_matches_slot_runner_token_for_token(tiny_models):
             toks, pos = la.argmax(-1).tolist(), [p + 1 for p in pos]
 
 
+def test_graph_runner_grouped_query_attention_matches_the_query_rows_form(tiny_models):
+    """The CUDA default (SDPA's grouped-query form) computes the same attention as the exact
+    query-rows form, decode and verify steps, on the tiny Llama and Qwen2 models (2 query heads a KV head);
+    equal up to float rounding (another summation order), the same greedy tokens."""
+    from server.embedded.graph_runner import GraphRunner
+    from server.embedded.loader import load_model
+
+    for name in ("llama-tir", "qwen-tir"):
+        model = load_model(tiny_models[name]).float()
+        rows, gqa = GraphRunner(model, 4, 128, attention="rows"), GraphRunner(model, 4, 128, attention="gqa")
+        assert rows.attention == "rows" and gqa.attention == "gqa"
+        prompts = [[1, 5, 9, 22, 40], [3, 4], [7, 8, 9, 10, 11, 12, 13]]
+        for r in (rows, gqa):
+            for slot, p in enumerate(prompts):
+                r.prefill(slot, p, 0)
+        toks, pos = [5, 6, 7], [5, 2, 7]
+        for _ in range(8):
+            la, lb = rows.decode(toks, pos), gqa.decode(toks, pos)
+            torch.testing.assert_close(la, lb, rtol=1e-4, atol=1e-4)
+            assert torch.equal(la.argmax(-1), lb.argmax(-1)), name
+            toks, pos = la.argmax(-1).tolist(), [p + 1 for p in pos]
+        va, vb = rows.verify([[1, 2, 3]] * 3, pos), gqa.verify([[1, 2, 3]] * 3, pos)
+        torch.testing.assert_close(va, vb, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="gqa or rows"):
+        GraphRunner(model, 2, 64, attention="flash")
+
 def test_device_sampler_draws_the_tempered_truncated_distribution():
     """The device sampler (Gumbel-max over seeded noise) against the exact distributions, and a
     sample depends only on its seed and step, not on its batch."""

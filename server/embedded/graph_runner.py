@@ -25,6 +25,7 @@ On a CPU the same code runs eagerly (no graphs), which is how the tests check it
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Optional
 
 import torch
@@ -32,6 +33,8 @@ import torch.nn.functional as F
 
 from server.embedded.base_runner import BaseRunner, Draft
 from server.embedded.qlinear import Int8WeightOnlyLinear
+
+ATTENTION_ENV = "EMBEDDED_ATTENTION"  # gqa|rows: the decode attention's layout, for side-by-side measurements
 
 MIN_CONTEXT_BUCKET = 256
 
@@ -172,11 +175,20 @@ def _post_attention(h: torch.Tensor, o: torch.Tensor, o_proj: Any, norm: Any, ga
 
 class GraphRunner(BaseRunner):
     def __init__(self, model: Any, num_slots: int, max_seq_len: int, graphs: Optional[bool] = None,
-                 compile: bool = False, fuse: Optional[bool] = None):
+                 compile: bool = False, fuse: Optional[bool] = None, attention: Optional[str] = None):
+        """`attention`: how a decode/verify step lays out grouped-query attention. "gqa": the query
+        heads as they are, SDPA's grouped-query form (`enable_gqa`), which reads each KV head once at
+        any context; "rows": a KV head's group of query heads as query rows of one attention, which
+        gives the CPU runner's logits bit for bit. Default: gqa on CUDA, rows elsewhere;
+        EMBEDDED_ATTENTION=gqa|rows overrides it (for side-by-side measurements)."""
         super().__init__(model, num_slots, max_seq_len)
         cfg = model.config
         cuda = self.device.type == "cuda"
         self.graphs = cuda if graphs is None else graphs
+        attention = attention or os.environ.get(ATTENTION_ENV) or ("gqa" if cuda else "rows")
+        if attention not in ("gqa", "rows"):
+            raise ValueError(f"GraphRunner: attention must be gqa or rows (got {attention!r}; {ATTENTION_ENV})")
+        self.attention = attention
         self.group = self.num_heads // self.num_kv_heads
         self.capacity = max_seq_len  # static: the scheduler never asks for more
         self.scratch = num_slots  # padded batch rows write their K/V here
@@ -205,19 +217,25 @@ class GraphRunner(BaseRunner):
         b, t = ids.shape
         h = self.inner.embed_tokens(ids.reshape(-1))
         cos, sin = self.cos[pos.reshape(-1)], self.sin[pos.reshape(-1)]
-        # query rows per KV head: (token, group head), token-major, each masked at its own position
         mask = (torch.arange(ctx, device=ids.device).view(1, 1, ctx) <= pos.unsqueeze(-1))  # [B, T, ctx]
-        mask = mask.repeat_interleave(self.group, 1).unsqueeze(1)  # [B, 1, T*group, ctx]
-        g, nkv, d = self.group, self.num_kv_heads, self.head_dim
+        g, nq, nkv, d = self.group, self.num_heads, self.num_kv_heads, self.head_dim
+        gqa = self.attention == "gqa"
+        # gqa: [B, 1, T, ctx] over the query heads; rows: query rows (token, group head) per KV head
+        mask = mask.unsqueeze(1) if gqa else mask.repeat_interleave(g, 1).unsqueeze(1)
         for i, layer in enumerate(self.layers):
-            q, k, v = layer.pre(h, cos, sin, self.num_heads, nkv, d)
+            q, k, v = layer.pre(h, cos, sin, nq, nkv, d)
             self.k[i][write_rows, :, pos] = k.view(b, t, nkv, d)
             self.v[i][write_rows, :, pos] = v.view(b, t, nkv, d)
             keys, values = self.k[i][:b, :, :ctx], self.v[i][:b, :, :ctx]
-            # the group query heads of one KV head are `group` query rows of one attention: no expansion
-            qr = q.view(b, t, nkv, g, d).permute(0, 2, 1, 3, 4).reshape(b, nkv, t * g, d)
-            o = F.scaled_dot_product_attention(qr, keys, values, attn_mask=mask, scale=self.scale)
-            h = layer.post(h, o.view(b, nkv, t, g, d).permute(0, 2, 1, 3, 4).reshape(b * t, self.num_heads * d))
+            if gqa:
+                o = F.scaled_dot_product_attention(q.view(b, t, nq, d).transpose(1, 2), keys, values, attn_mask=mask,
+                                                   scale=self.scale, enable_gqa=g > 1)  # [B, nq, T, d]
+                o = o.transpose(1, 2).reshape(b * t, nq * d)
+            else:  # the group query heads of one KV head are `group` query rows of one attention
+                qr = q.view(b, t, nkv, g, d).permute(0, 2, 1, 3, 4).reshape(b, nkv, t * g, d)
+                o = F.scaled_dot_product_attention(qr, keys, values, attn_mask=mask, scale=self.scale)
+                o = o.view(b, nkv, t, g, d).permute(0, 2, 1, 3, 4).reshape(b * t, nq * d)
+            h = layer.post(h, o)
         return self._head(h, True)
 
     def _prefill_layers(self, slot: int, start: int, end: int, ids: torch.Tensor, pos: torch.Tensor,
