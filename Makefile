@@ -41,7 +41,7 @@ PORT ?= 8000
 URL ?=
 SERVE_ARGS ?=
 
-.PHONY: help setup triton-setup triton serve kaggle kaggle-trtllm-wheels eval engine sources merge quantize drafter build report check solve test bench clean doctor gpu-smoke trtllm-venv
+.PHONY: help setup triton-setup triton serve kaggle kaggle-trtllm-wheels eval engine sources merge quantize drafter build report check solve lint test bench clean doctor gpu-smoke trtllm-venv
 
 help:
 	@echo "make setup                 create $(VENV) with the pinned embedded environment"
@@ -59,6 +59,7 @@ help:
 	@echo "make gpu-smoke             GPU host: build tiny bf16/FP8 engines with TensorRT-LLM and check them"
 	@echo "make trtllm-venv           GPU host: $(TRTLLM_VENV) with the pinned TensorRT-LLM (TRTLLM_INDEX_URL=...)"
 	@echo "make test                  the test suite (what CI runs)"
+	@echo "make lint                  ruff over the tree (what CI runs first)"
 	@echo "make bench MODEL=mix       every benchmark (sandbox, engine in-flight/sequential/library, harness, Triton, OpenAI serving, formats, speculative decoding) -> bench/summary.md"
 	@echo "make clean MODEL=mix       remove $(OUT)/"
 
@@ -224,6 +225,9 @@ trtllm-venv: requirements/trtllm.txt
 
 report: $(SETUP)
 	@$(TB) report
+
+lint: $(SETUP)
+	$(PY) -m ruff check .
 
 test: $(SETUP) $(TRITON_SETUP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
