@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import json
 from pathlib import Path
 from typing import Any, Optional
 
+from aimo_spec.jsonfile import read_json
 from aimo_spec.layout import ENGINE_FILE, Layout
 from aimo_spec.recipe import ServingSpec
 from server.embedded.settings import serving_settings
@@ -54,12 +54,7 @@ def driver(backend: str) -> Any:
 def read_engine_file(folder: str | Path) -> dict[str, Any]:
     """`engine.json` of an engine folder, with errors that name the file and what is wrong."""
     path = Path(folder) / ENGINE_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no engine folder here; run `make engine` first")
-    try:
-        spec = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: not valid JSON ({e}); rebuild it with `make build`") from None
+    spec = read_json(path, "no engine folder here; run `make engine` first", "rebuild it with `make build`")
     if not isinstance(spec, dict) or spec.get("backend") not in DRIVERS:
         raise ValueError(f"{path}: backend must be one of {', '.join(DRIVERS)} "
                          f"(got {spec.get('backend') if isinstance(spec, dict) else spec!r})")

@@ -21,7 +21,6 @@ Failures are loud where a zero submission would hide them, quiet where an answer
 from __future__ import annotations
 
 import asyncio
-import json
 import sys
 import threading
 import time
@@ -29,6 +28,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from aimo_spec.jsonfile import read_json
 from aimo_spec.recipe import ANSWER_RANGES, ServingSpec, parse_section
 from server.embedded.settings import serving_settings
 from server.kaggle.rows import answer_frame, read_rows
@@ -50,13 +50,8 @@ def _log(msg: str) -> None:
 def read_serving(path: str | Path) -> ServingSpec:
     """A serving section as `make kaggle` writes it (SERVING_FILE: the recipe's `serving`), validated
     like the recipe; errors name the file."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no serving settings (`make kaggle` writes {SERVING_FILE} beside engine/)")
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: not valid JSON ({e}); rebuild the dataset with `make kaggle`") from None
+    data = read_json(path, f"no serving settings (`make kaggle` writes {SERVING_FILE} beside engine/)",
+                     "rebuild the dataset with `make kaggle`")
     return parse_section(data, ServingSpec, "serving", str(path))
 
 
