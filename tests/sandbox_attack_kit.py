@@ -55,8 +55,9 @@ def idle_worker(p: SandboxPool):
 
 
 def ps() -> list[tuple[int, int, str]]:
-    """(pid, uid, command line) of every process on the host, from `ps`."""
-    out = subprocess.run(["ps", "-eo", "pid=,uid=,args="], capture_output=True, text=True, check=True).stdout
+    """(pid, uid, whole command line) of every process on the host, from `ps` (-ww: never cut to the
+    terminal's width, which a COLUMNS variable would set, so a marker at the end is always seen)."""
+    out = subprocess.run(["ps", "-ww", "-eo", "pid=,uid=,args="], capture_output=True, text=True, check=True).stdout
     rows = []
     for line in out.splitlines():
         pid, uid, *args = line.split(None, 2)
