@@ -280,7 +280,7 @@ def test_graph_runner_matches_slot_runner_token_for_token(tiny_models):
 
 
 def test_graph_runner_grouped_query_attention_matches_the_query_rows_form(tiny_models):
-    """The CUDA default (SDPA's grouped-query form) computes the same attention as the exact
+    """The grouped-query form (SDPA's enable_gqa, the candidate CUDA default) computes the same attention as the exact
     query-rows form, decode and verify steps, on the tiny Llama and Qwen2 models (2 query heads a KV head);
     equal up to float rounding (another summation order), the same greedy tokens."""
     from server.embedded.graph_runner import GraphRunner

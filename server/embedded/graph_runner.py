@@ -179,13 +179,13 @@ class GraphRunner(BaseRunner):
         """`attention`: how a decode/verify step lays out grouped-query attention. "gqa": the query
         heads as they are, SDPA's grouped-query form (`enable_gqa`), which reads each KV head once at
         any context; "rows": a KV head's group of query heads as query rows of one attention, which
-        gives the CPU runner's logits bit for bit. Default: gqa on CUDA, rows elsewhere;
-        EMBEDDED_ATTENTION=gqa|rows overrides it (for side-by-side measurements)."""
+        gives the CPU runner's logits bit for bit. Default: rows (gqa is not yet measured on a GPU;
+        issue 31); EMBEDDED_ATTENTION=gqa|rows overrides it (for side-by-side measurements)."""
         super().__init__(model, num_slots, max_seq_len)
         cfg = model.config
         cuda = self.device.type == "cuda"
         self.graphs = cuda if graphs is None else graphs
-        attention = attention or os.environ.get(ATTENTION_ENV) or ("gqa" if cuda else "rows")
+        attention = attention or os.environ.get(ATTENTION_ENV) or "rows"
         if attention not in ("gqa", "rows"):
             raise ValueError(f"GraphRunner: attention must be gqa or rows (got {attention!r}; {ATTENTION_ENV})")
         self.attention = attention
