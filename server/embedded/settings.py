@@ -16,11 +16,11 @@ Nothing here imports torch at import time: the surfaces resolve settings for rem
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
+from aimo_spec.jsonfile import read_json
 from aimo_spec.layout import ENGINE_FILE
 from aimo_spec.recipe import Recipe, ServingSpec
 
@@ -105,7 +105,7 @@ def engine_options(engine_dir: str | Path, overrides: dict[str, Any]) -> tuple[P
     spec_file = engine_dir / ENGINE_FILE
     kw: dict[str, Any] = {"device": serving.device, "deterministic": serving.deterministic}
     if spec_file.is_file():
-        spec = json.loads(spec_file.read_text())
+        spec = read_json(spec_file, "no engine folder here; run `make engine` first", "rebuild it with `make build`")
         if spec.get("backend") != "embedded":
             raise ValueError(f"{spec_file}: backend is {spec.get('backend')!r}, not 'embedded'")
         model_dir = engine_dir / spec["model_dir"]
