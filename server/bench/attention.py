@@ -1,0 +1,136 @@
+"""Decode attention on a GPU: the forms the engine can use, side by side, against the bytes they must read.
+
+    python -m server.bench.attention [--shapes 1.5b,7b,14b] [--batches 1,4,16] [--contexts 512,8192,16384]
+                                     [--tokens 1,4] [--out bench/attention.json]
+
+One layer's attention over the static slot cache, at each shape's head counts, for a batch of rows
+whose keys fill the context: SDPA with the group's query heads as query rows (`rows`), SDPA's
+grouped-query form (`gqa`), the split-KV Triton kernel over a bf16 cache (`split`) and over an FP8
+cache with per-vector scales (`split_fp8`). Each is timed as a CUDA-graph replay of 20 calls
+(median of 5), as the engine runs it; the bound is the cache bytes the call must read over the
+measured copy bandwidth. Each form's output is checked against `reference_attention` first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+HEADS = {"1.5b": (12, 2, 128), "7b": (28, 4, 128), "14b": (40, 8, 128)}  # query heads, KV heads, head_dim
+REPLAYS = 20
+
+
+def time_graph(fn: Callable[[], object]) -> float:
+    """Microseconds per call: REPLAYS calls captured in one CUDA graph, median of 5 replays."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn(), fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(REPLAYS):
+            fn()
+    times = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        graph.replay()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t) / REPLAYS * 1e6)
+    return statistics.median(times)
+
+
+def forms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kq: torch.Tensor, vq: torch.Tensor, ks: torch.Tensor,
+          vs: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, ctx: int, scale: float
+          ) -> dict[str, Callable[[], torch.Tensor]]:
+    from server.embedded.decode_attention import split_kv_attention
+
+    b, t, nq, d = q.shape
+    nkv = k.shape[1]
+    g = nq // nkv
+    mask = (torch.arange(ctx, device=q.device).view(1, 1, ctx) <= pos.unsqueeze(-1))  # [B, T, ctx]
+    gqa_mask, rows_mask = mask.unsqueeze(1), mask.repeat_interleave(g, 1).unsqueeze(1)
+
+    def gqa() -> torch.Tensor:
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k[:b, :, :ctx], v[:b, :, :ctx], attn_mask=gqa_mask,
+                                           scale=scale, enable_gqa=g > 1)
+        return o.transpose(1, 2)
+
+    def by_rows() -> torch.Tensor:
+        qr = q.view(b, t, nkv, g, d).permute(0, 2, 1, 3, 4).reshape(b, nkv, t * g, d)
+        o = F.scaled_dot_product_attention(qr, k[:b, :, :ctx], v[:b, :, :ctx], attn_mask=rows_mask, scale=scale)
+        return o.view(b, nkv, t, g, d).permute(0, 2, 1, 3, 4).reshape(b, t, nq, d)
+
+    return {"rows": by_rows, "gqa": gqa,
+            "split": lambda: split_kv_attention(q, k, v, rows, pos, ctx, scale),
+            "split_fp8": lambda: split_kv_attention(q, kq, vq, rows, pos, ctx, scale, ks, vs)}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m server.bench.attention", description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="1.5b,7b,14b")
+    ap.add_argument("--batches", default="1,4,16")
+    ap.add_argument("--contexts", default="512,8192,16384")
+    ap.add_argument("--tokens", default="1,4", help="query tokens per row (1: decode, 4: a 1+3 verify)")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench.attention: no CUDA device here", file=sys.stderr)
+        return 2
+    from server.bench.gpu import copy_bandwidth
+    from server.embedded.decode_attention import quantize_kv, reference_attention
+
+    dev = torch.device("cuda")
+    bandwidth = copy_bandwidth(dev)
+    print(f"[bench.attention] copy bandwidth {bandwidth / 1e12:.2f} TB/s", file=sys.stderr)
+    results = []
+    for shape in args.shapes.split(","):
+        nq, nkv, d = HEADS[shape]
+        for ctx in (int(c) for c in args.contexts.split(",")):
+            for b in (int(x) for x in args.batches.split(",")):
+                k = torch.randn(b + 1, nkv, ctx, d, device=dev, dtype=torch.bfloat16)
+                v = torch.randn_like(k)
+                kq, ks = quantize_kv(k)
+                vq, vs = quantize_kv(v)
+                for t in (int(x) for x in args.tokens.split(",")):
+                    q = torch.randn(b, t, nq, d, device=dev, dtype=torch.bfloat16)
+                    rows = torch.arange(b, device=dev)
+                    pos = (torch.arange(t, device=dev) + ctx - t).view(1, t).expand(b, t).contiguous()
+                    ref = reference_attention(q, k, v, rows, pos, ctx, d ** -0.5).float()
+                    row = {"shape": shape, "batch": b, "context": ctx, "tokens": t}
+                    bf16_bytes = 2 * b * nkv * ctx * d * 2
+                    for name, fn in forms(q, k, v, kq, vq, ks, vs, rows, pos, ctx, d ** -0.5).items():
+                        err = (fn().float() - ref).abs().max().item()
+                        us = time_graph(fn)
+                        read = bf16_bytes // 2 + 2 * b * nkv * ctx * 4 if name == "split_fp8" else bf16_bytes
+                        row[name] = {"us": round(us, 1), "max_abs_err": round(err, 4),
+                                     "of_bound": round(read / bandwidth / (us * 1e-6), 3)}
+                    row["bound_bf16_us"] = round(bf16_bytes / bandwidth * 1e6, 1)
+                    results.append(row)
+                    print(json.dumps(row), flush=True)
+                del k, v, kq, vq, ks, vs
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(),
+                "torch": torch.__version__, "copy_bandwidth_tb_s": round(bandwidth / 1e12, 2)}
+        try:
+            import triton
+
+            meta["triton"] = triton.__version__
+        except ImportError:
+            pass
+        args.out.write_text(json.dumps({"meta": meta, "rows": results}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,188 @@
+"""Decode and verify attention over the static slot cache: split-KV (flash-decoding) in Triton.
+
+A decode step has one query token per sequence (a verify step a few), so attention is a read of the
+sequence's keys and values and almost no arithmetic: its speed is bytes over bandwidth. With a
+handful of sequences, one program per (sequence, KV head) leaves most of a GPU idle at long context,
+so the keys of each sequence are cut into chunks read by separate programs (flash-decoding), each
+leaving an unnormalised partial output with its running max and sum, and a second kernel combines
+the chunks. Grouped-query heads share one read of their KV head: the `group` query heads of a KV
+head and the step's `T` tokens are the rows of one [T*group, head_dim] tile.
+
+The kernel reads the cache in place: `[slots, kv_heads, positions, head_dim]`, the slot of each batch
+row given by `rows`, the last key a token may see by `pos` (both device tensors, so one CUDA graph
+serves any lengths within its context bucket). The cache is bf16/fp16, or FP8 e4m3 with one float32
+scale per (slot, KV head, position) (`quantize_kv`): the key scale multiplies the scores and the value
+scale the probabilities, so nothing is dequantised in memory.
+
+`reference_attention` is the same computation in PyTorch (dequantise, then SDPA): the CPU's path and
+the tests' oracle (tests run the Triton kernel on the CPU under TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+KV_DTYPES = ("auto", "fp8")  # serving.kv_cache_dtype: auto = the model's dtype
+
+
+def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., head_dim] -> (e4m3 values, float32 scale [...]): one scale per vector, its amax / 448,
+    so no value overflows and each vector keeps e4m3's relative precision."""
+    scale = (x.float().abs().amax(-1) / FP8_MAX).clamp_min(1e-12)
+    return (x.float() / scale.unsqueeze(-1)).to(torch.float8_e4m3fn), scale
+
+
+def dequantize_kv(values: torch.Tensor, scale: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    if scale is None:
+        return values.to(dtype)
+    return (values.float() * scale.unsqueeze(-1)).to(dtype)
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor,
+                        ctx: int, scale: float, k_scale: Optional[torch.Tensor] = None,
+                        v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """q [B, T, nq, d]; caches [S, nkv, P, d] (scales [S, nkv, P] for FP8); rows [B]; pos [B, T] (token t
+    of row b sees keys 0..pos[b, t]); keys read up to `ctx`. Returns [B, T, nq, d] in q's dtype."""
+    b, t, nq, d = q.shape
+    nkv = k.shape[1]
+    keys = dequantize_kv(k[rows, :, :ctx], None if k_scale is None else k_scale[rows, :, :ctx], q.dtype)
+    values = dequantize_kv(v[rows, :, :ctx], None if v_scale is None else v_scale[rows, :, :ctx], q.dtype)
+    mask = (torch.arange(ctx, device=q.device).view(1, 1, ctx) <= pos.unsqueeze(-1)).unsqueeze(1)  # [B, 1, T, ctx]
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, scale=scale,
+                                       enable_gqa=nq != nkv)
+    return o.transpose(1, 2)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def split_kv(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, rows_ptr, pos_ptr, part_o, part_ml, sm_scale,
+                 stride_qb, stride_qt, stride_qh, stride_cs, stride_ch, stride_cp, stride_ss, stride_sh,
+                 NKV: tl.constexpr, T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, SPLITS: tl.constexpr, FP8: tl.constexpr):
+        pid, split = tl.program_id(0), tl.program_id(1)
+        b, h = pid // NKV, pid % NKV
+        slot = tl.load(rows_ptr + b).to(tl.int64)
+        r = tl.arange(0, BLOCK_M)
+        tok, grp = r // G, r % G
+        live = r < T * G
+        qpos = tl.load(pos_ptr + b * T + tok, mask=live, other=-1)  # last key each row may see
+        dd = tl.arange(0, D)
+        q = tl.load(q_ptr + b * stride_qb + tok[:, None] * stride_qt + (h * G + grp)[:, None] * stride_qh
+                    + dd[None, :], mask=live[:, None], other=0.0)
+        start = split * CHUNK
+        end = tl.minimum(start + CHUNK, tl.max(qpos, 0) + 1)
+        m_i = tl.full((BLOCK_M,), -1.0e30, tl.float32)
+        l_i = tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, D), tl.float32)
+        k_base = k_ptr + slot * stride_cs + h * stride_ch
+        v_base = v_ptr + slot * stride_cs + h * stride_ch
+        for i in range(0, CHUNK // BLOCK_N):  # a fixed trip count; blocks past the row's last key do nothing
+            n0 = start + i * BLOCK_N
+            if n0 < end:
+                n = n0 + tl.arange(0, BLOCK_N)
+                kmask = n < end
+                kb = tl.load(k_base + n[:, None] * stride_cp + dd[None, :], mask=kmask[:, None], other=0.0)
+                vb = tl.load(v_base + n[:, None] * stride_cp + dd[None, :], mask=kmask[:, None], other=0.0)
+                s = tl.dot(q, tl.trans(kb.to(q.dtype))) * sm_scale
+                if FP8:
+                    s = s * tl.load(ks_ptr + slot * stride_ss + h * stride_sh + n, mask=kmask, other=0.0)[None, :]
+                s = tl.where(n[None, :] <= qpos[:, None], s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                alpha = tl.exp(m_i - m_new)
+                p = tl.exp(s - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                if FP8:
+                    p = p * tl.load(vs_ptr + slot * stride_ss + h * stride_sh + n, mask=kmask, other=0.0)[None, :]
+                acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), vb.to(q.dtype))
+                m_i = m_new
+        base = (pid * SPLITS + split) * BLOCK_M
+        tl.store(part_o + (base + r)[:, None] * D + dd[None, :], acc)
+        tl.store(part_ml + (base + r) * 2, m_i)
+        tl.store(part_ml + (base + r) * 2 + 1, l_i)
+
+    @triton.jit
+    def combine(part_o, part_ml, out_ptr, stride_ob, stride_ot, stride_oh,
+                NKV: tl.constexpr, T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                SPLITS: tl.constexpr):
+        pid = tl.program_id(0)
+        b, h = pid // NKV, pid % NKV
+        r = tl.arange(0, BLOCK_M)
+        dd = tl.arange(0, D)
+        m = tl.full((BLOCK_M,), -1.0e30, tl.float32)
+        for s in range(SPLITS):
+            m = tl.maximum(m, tl.load(part_ml + ((pid * SPLITS + s) * BLOCK_M + r) * 2))
+        total = tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, D), tl.float32)
+        for s in range(SPLITS):
+            base = (pid * SPLITS + s) * BLOCK_M
+            w = tl.exp(tl.load(part_ml + (base + r) * 2) - m)
+            total += tl.load(part_ml + (base + r) * 2 + 1) * w
+            acc += tl.load(part_o + (base + r)[:, None] * D + dd[None, :]) * w[:, None]
+        tok, grp = r // G, r % G
+        live = r < T * G
+        o = acc / tl.maximum(total, 1e-30)[:, None]
+        tl.store(out_ptr + b * stride_ob + tok[:, None] * stride_ot + (h * G + grp)[:, None] * stride_oh + dd[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=live[:, None])
+
+    return split_kv, combine
+
+
+BLOCK_N = 64
+
+
+def plan_splits(batch: int, kv_heads: int, ctx: int, programs: int) -> tuple[int, int]:
+    """(chunk, splits): keys per program and programs per (row, KV head), so that about `programs`
+    programs run (two waves of the GPU's multiprocessors) and each reads at least BLOCK_N keys."""
+    want = max(1, -(-programs // (batch * kv_heads)))
+    chunk = max(BLOCK_N, -(-ctx // want))
+    chunk = -(-chunk // BLOCK_N) * BLOCK_N
+    return chunk, -(-ctx // chunk)
+
+
+@functools.lru_cache(maxsize=None)
+def _programs(device: int) -> int:
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor,
+                       ctx: int, scale: float, k_scale: Optional[torch.Tensor] = None,
+                       v_scale: Optional[torch.Tensor] = None, programs: Optional[int] = None) -> torch.Tensor:
+    """`reference_attention`'s contract, as two Triton launches. `ctx` bounds the keys read (the CUDA
+    graph's context bucket); rows whose `pos` is shorter stop early. `programs` (default: two per
+    multiprocessor on CUDA) sets how finely the keys are split."""
+    b, t, nq, d = q.shape
+    nkv = k.shape[1]
+    g = nq // nkv
+    if d & (d - 1) or d < 16:
+        raise ValueError(f"split_kv_attention: head_dim {d} must be a power of two >= 16")
+    if k.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError("split_kv_attention: the last dimension of q and the caches must be contiguous")
+    fp8 = k_scale is not None
+    block_m = max(16, 1 << math.ceil(math.log2(t * g)))
+    if programs is None:
+        programs = _programs(q.device.index or 0) if q.is_cuda else 8
+    chunk, splits = plan_splits(b, nkv, ctx, programs)
+    part_o = torch.empty((b * nkv * splits * block_m, d), dtype=torch.float32, device=q.device)
+    part_ml = torch.empty((b * nkv * splits * block_m, 2), dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q)
+    ks = k_scale if fp8 else part_ml  # an unused pointer when the cache is not FP8
+    vs = v_scale if fp8 else part_ml
+    split_kernel, combine_kernel = _kernels()
+    split_kernel[(b * nkv, splits)](
+        q, k, v, ks, vs, rows, pos, part_o, part_ml, scale,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        ks.stride(0) if fp8 else 0, ks.stride(1) if fp8 else 0,
+        NKV=nkv, T=t, G=g, D=d, BLOCK_M=block_m, BLOCK_N=BLOCK_N, CHUNK=chunk, SPLITS=splits, FP8=fp8)
+    combine_kernel[(b * nkv,)](part_o, part_ml, out, out.stride(0), out.stride(1), out.stride(2),
+                               NKV=nkv, T=t, G=g, D=d, BLOCK_M=block_m, SPLITS=splits)
+    return out

@@ -1,0 +1,85 @@
+"""The split-KV decode attention kernel against its PyTorch reference, and FP8 KV quantization.
+
+The kernel runs on CUDA where there is one; on a CPU with Triton installed it runs under Triton's
+interpreter (TRITON_INTERPRET=1, set here before Triton is imported), in fp16: the interpreter does
+not compute bf16 dots. Without Triton the kernel tests skip; the quantization tests always run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from server.embedded.decode_attention import FP8_MAX, dequantize_kv, plan_splits, quantize_kv, reference_attention
+
+CUDA = torch.cuda.is_available()
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def test_quantize_kv_keeps_every_vector_in_range_and_close():
+    torch.manual_seed(0)
+    x = torch.randn(3, 2, 50, 64) * torch.logspace(-3, 3, 50).view(1, 1, 50, 1)  # magnitudes over 6 decades
+    q, scale = quantize_kv(x)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == x.shape[:-1]
+    assert q.float().abs().amax(-1).le(FP8_MAX).all()
+    back = dequantize_kv(q, scale, torch.float32)
+    rel = (back - x).abs().amax(-1) / x.abs().amax(-1)
+    assert rel.max() < 0.07  # e4m3: 3 mantissa bits, half an ulp at most 1/16 of the vector's amax
+
+
+def test_zero_vectors_quantize_to_zero():
+    q, scale = quantize_kv(torch.zeros(2, 4, 16))
+    assert torch.isfinite(scale).all() and dequantize_kv(q, scale, torch.float32).eq(0).all()
+
+
+def test_plan_splits_covers_the_context_with_whole_blocks():
+    for b, nkv, ctx, programs in [(1, 2, 8192, 264), (16, 8, 512, 264), (1, 8, 100, 264), (4, 4, 16384, 8)]:
+        chunk, splits = plan_splits(b, nkv, ctx, programs)
+        assert chunk % 64 == 0 and chunk * splits >= ctx and chunk * (splits - 1) < ctx
+
+
+def _case(b: int, t: int, nq: int, nkv: int, d: int, slots: int, positions: int, ctx: int, fp8: bool,
+          dtype: torch.dtype, device: str, programs: int):
+    g = torch.Generator().manual_seed(b * 1000 + t * 100 + nq + ctx)
+    q = torch.randn(b, t, nq, d, generator=g).to(device, dtype)
+    k = torch.randn(slots, nkv, positions, d, generator=g).to(device, dtype)
+    v = torch.randn(slots, nkv, positions, d, generator=g).to(device, dtype)
+    rows = torch.randperm(slots, generator=g)[:b].to(device)
+    last = torch.randint(t - 1, ctx, (b, 1), generator=g)  # ragged lengths, one row may see a single key
+    last[0] = t - 1
+    pos = (last - (t - 1) + torch.arange(t)).to(device).contiguous()
+    ks = vs = None
+    if fp8:
+        k, ks = quantize_kv(k)
+        v, vs = quantize_kv(v)
+    return q, k, v, rows, pos, ks, vs
+
+
+CASES = [  # b, t, nq, nkv, d, slots, positions, ctx, fp8, programs
+    (1, 1, 4, 2, 16, 3, 200, 200, False, 8),     # one row, context not a multiple of the block
+    (3, 2, 6, 2, 32, 5, 300, 260, False, 4),     # verify rows, keys read short of the cache's end
+    (2, 4, 12, 2, 16, 4, 128, 128, True, 16),    # FP8 cache, group 6 x 4 tokens = 24 rows
+    (2, 1, 4, 4, 16, 4, 64, 64, True, 1),        # no grouping, one split
+    (2, 1, 8, 1, 32, 3, 512, 512, False, 64),    # many splits, most past the short row's end
+]
+
+
+@pytest.mark.skipif(not (CUDA or HAS_TRITON), reason="needs CUDA or Triton's interpreter")
+@pytest.mark.parametrize("case", CASES)
+def test_split_kv_attention_matches_the_reference(case, monkeypatch):
+    b, t, nq, nkv, d, slots, positions, ctx, fp8, programs = case
+    if not CUDA:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from server.embedded.decode_attention import split_kv_attention
+
+    dtype, device = (torch.bfloat16, "cuda") if CUDA else (torch.float16, "cpu")
+    q, k, v, rows, pos, ks, vs = _case(b, t, nq, nkv, d, slots, positions, ctx, fp8, dtype, device, programs)
+    ref = reference_attention(q.float(), dequantize_kv(k, ks, torch.float32), dequantize_kv(v, vs, torch.float32),
+                              rows, pos, ctx, d ** -0.5)
+    out = split_kv_attention(q, k, v, rows, pos, ctx, d ** -0.5, ks, vs, programs=programs)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    tol = 2e-2 if dtype == torch.bfloat16 else 3e-3
+    assert (out.float() - ref).abs().max().item() < tol
+
