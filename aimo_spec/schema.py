@@ -250,6 +250,10 @@ class ServingSpec:
     # any batch (server/embedded/deterministic.py; its price in docs/serving.md); EMBEDDED_DETERMINISTIC=0|1
     # (make ... DETERMINISTIC=1) overrides it for one command
     deterministic: bool = False
+    # the embedded engine's KV cache: auto (the model's dtype) or fp8 (e4m3, one scale per vector: half the
+    # bytes a long-context step reads; its price in `make report`). A runtime choice: no rebuild. The
+    # TensorRT-LLM engine's KV dtype is a build choice (quantize.kv_cache_dtype)
+    kv_cache_dtype: Literal["auto", "fp8"] = "auto"
 
 
 # answers are reported modulo this per competition: AIMO-2 asked for 0-999, AIMO-3 for 0-99999

@@ -1,9 +1,16 @@
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+# Without a GPU, Triton kernels run under Triton's interpreter; it must be on before anything (torch's
+# compiler included) imports Triton, or its language functions are compiled-only (tests/test_decode_attention.py)
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))

@@ -1,8 +1,8 @@
 """The split-KV decode attention kernel against its PyTorch reference, and FP8 KV quantization.
 
 The kernel runs on CUDA where there is one; on a CPU with Triton installed it runs under Triton's
-interpreter (TRITON_INTERPRET=1, set here before Triton is imported), in fp16: the interpreter does
-not compute bf16 dots. Without Triton the kernel tests skip; the quantization tests always run.
+interpreter (TRITON_INTERPRET=1, which conftest.py sets before anything imports Triton), in fp16: the
+interpreter does not compute bf16 dots. Without Triton the kernel tests skip; the quantization tests always run.
 """
 
 from __future__ import annotations
@@ -68,10 +68,8 @@ CASES = [  # b, t, nq, nkv, d, slots, positions, ctx, fp8, programs
 
 @pytest.mark.skipif(not (CUDA or HAS_TRITON), reason="needs CUDA or Triton's interpreter")
 @pytest.mark.parametrize("case", CASES)
-def test_split_kv_attention_matches_the_reference(case, monkeypatch):
+def test_split_kv_attention_matches_the_reference(case):
     b, t, nq, nkv, d, slots, positions, ctx, fp8, programs = case
-    if not CUDA:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
     from server.embedded.decode_attention import split_kv_attention
 
     dtype, device = (torch.bfloat16, "cuda") if CUDA else (torch.float16, "cpu")

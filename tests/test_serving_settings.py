@@ -80,9 +80,9 @@ def test_the_engine_runs_with_the_serving_settings_not_a_stale_copy_in_the_folde
     assert model_dir == folder / "model" and kw["device"] == "cpu" and kw["deterministic"] is False
     assert kw["drafter"] == folder / "drafter" and kw["speculative"].num_beams == 2  # the build's drafter shape
     assert (kw["max_batch_size"], kw["max_seq_len"], kw["max_input_len"]) == (4, 512, 256)  # the build's limits
-    _, kw = engine_options(folder, {"serving": ServingSpec(device="cpu", deterministic=True,
+    _, kw = engine_options(folder, {"serving": ServingSpec(device="cpu", deterministic=True, kv_cache_dtype="fp8",
                                                            speculative=SpeculativeSpec(enabled="off"))})
-    assert kw["deterministic"] is True and "drafter" not in kw
+    assert kw["deterministic"] is True and "drafter" not in kw and kw["kv_cache_dtype"] == "fp8"
 
 
 def test_without_a_recipe_the_defaults_under_the_environment(tmp_path, monkeypatch):
@@ -93,8 +93,9 @@ def test_without_a_recipe_the_defaults_under_the_environment(tmp_path, monkeypat
     hf = tmp_path / "hf"
     hf.mkdir()
     (hf / "config.json").write_text("{}")
-    assert engine_options(hf, {}) == (hf, {"device": "cpu", "deterministic": False})
-    assert engine_options(hf, {"device": "auto", "threads": 1})[1] == {"device": "auto", "deterministic": False,
+    plain = {"device": "cpu", "deterministic": False, "kv_cache_dtype": "auto"}
+    assert engine_options(hf, {}) == (hf, plain)
+    assert engine_options(hf, {"device": "auto", "threads": 1})[1] == {**plain, "device": "auto",
                                                                        "threads": 1}  # a keyword wins
 
 
@@ -118,7 +119,8 @@ def test_the_engine_folder_holds_only_what_the_build_decided(tmp_path):
     {"solver": {"vote": "local_entropy", "samples": 4, "early_stop_first": 3, "early_stop_agree": 2,
                 "enough_finished": 3, "modulus": 1000}},
     {"budget": {"policy": "fixed", "base_seconds": 12.5}},
-    {"device": "cpu", "deterministic": True, "speculative": {"enabled": "off", "max_batch": 4}},
+    {"device": "cpu", "deterministic": True, "kv_cache_dtype": "fp8",
+     "speculative": {"enabled": "off", "max_batch": 4}},
     {"max_code_calls": 9, "output_chars": 200, "tool": {"wall_seconds": 3, "stateful": False}},
 ], ids=["sampling", "votes", "budget", "engine modes", "tools"])
 def test_editing_serving_settings_changes_no_build_fingerprint(tmp_path, edit):
@@ -141,3 +143,8 @@ def test_the_build_fingerprint_follows_what_the_build_reads(tmp_path):
     prompt = {"system_prompt": "Reason, then box the answer."}  # TensorRT-LLM's calibration set is rendered with it
     assert fp("trtllm", serving=prompt) != stages.fingerprint(base, "build", "trtllm")
     assert fp("embedded", serving=prompt) == stages.fingerprint(base, "build", "embedded")
+
+
+def test_a_kv_cache_dtype_outside_the_schema_is_named(tmp_path):
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        recipe(tmp_path, serving={"kv_cache_dtype": "int4"})

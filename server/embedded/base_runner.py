@@ -6,6 +6,11 @@ is one tensor per layer for K and for V, `[slots, kv_heads, positions, head_dim]
 implement it: `SlotRunner` (runner.py: the model's own layers, a growing cache; the CPU's) and
 `GraphRunner` (graph_runner.py: static KV, fused projections, CUDA graphs; the GPU's).
 
+The cache holds the model's dtype, or FP8 e4m3 with one float32 scale per (slot, KV head, position)
+(`kv_cache_dtype="fp8"`, decode_attention.quantize_kv): half the bytes a long-context step reads, at
+a price the quality report measures. Runners write through `_kv_put` and read through `_kv_read`,
+which quantize and dequantize; the GPU's split-KV attention reads the FP8 cache in place.
+
 Prefill is the same for both: a chunk of one slot's tokens at positions [start, end), causal over the
 slot's cached prefix, then the head on the last token. Only the layers differ (`_prefill_layers`).
 
@@ -20,6 +25,8 @@ from typing import Any, Callable
 
 import torch
 
+from server.embedded.decode_attention import KV_DTYPES, dequantize_kv, quantize_kv
+
 SUPPORTED = ("llama", "qwen2", "mistral")
 
 Draft = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (context [n, H], first [n]) -> drafts [n, L]
@@ -29,8 +36,11 @@ class BaseRunner(ABC):
     """The shared half of a runner: the model's parts and head counts, the caches and moving them,
     the head, prefill, and speculative drafting then verifying."""
 
-    def __init__(self, model: Any, num_slots: int, max_seq_len: int):
+    def __init__(self, model: Any, num_slots: int, max_seq_len: int, kv_cache_dtype: str = "auto"):
         cfg = model.config
+        if kv_cache_dtype not in KV_DTYPES:
+            raise ValueError(f"embedded runtime: kv_cache_dtype {kv_cache_dtype!r} is not one of {KV_DTYPES}")
+        self.kv_fp8 = kv_cache_dtype == "fp8"
         if cfg.model_type not in SUPPORTED:
             raise ValueError(f"embedded runtime: model_type {cfg.model_type!r} is not supported "
                              f"(supported: {SUPPORTED})")
@@ -44,12 +54,39 @@ class BaseRunner(ABC):
         self.dtype, self.device = first.dtype, first.device
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
+        self.k_scale: list[torch.Tensor] = []  # FP8 caches only: [slots, kv_heads, positions] float32
+        self.v_scale: list[torch.Tensor] = []
 
     def _allocate_kv(self, slots: int, positions: int) -> None:
-        """Zeroed K and V caches, one per layer, of `slots` slots and `positions` positions."""
+        """Zeroed K and V caches (and FP8 scales), one per layer, of `slots` slots and `positions` positions."""
         shape = (slots, self.num_kv_heads, positions, self.head_dim)
-        self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.inner.layers]
-        self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.inner.layers]
+        dtype = torch.float8_e4m3fn if self.kv_fp8 else self.dtype
+        n = len(self.inner.layers)
+        self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(n)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(n)]
+        if self.kv_fp8:
+            self.k_scale = [torch.zeros(shape[:-1], dtype=torch.float32, device=self.device) for _ in range(n)]
+            self.v_scale = [torch.zeros(shape[:-1], dtype=torch.float32, device=self.device) for _ in range(n)]
+
+    def _caches(self) -> tuple[torch.Tensor, ...]:
+        """Every per-slot tensor of the cache: K, V and (FP8) their scales, slot and position first."""
+        return (*self.k, *self.v, *self.k_scale, *self.v_scale)
+
+    def _kv_put(self, i: int, index: tuple[Any, ...], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Layer i's cache[index] := k, v (index over slot, head, position; k and v end in head_dim)."""
+        if self.kv_fp8:
+            (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
+            self.k[i][index], self.k_scale[i][index] = kq, ks
+            self.v[i][index], self.v_scale[i][index] = vq, vs
+        else:
+            self.k[i][index], self.v[i][index] = k, v
+
+    def _kv_read(self, i: int, index: tuple[Any, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's keys and values at index, in the model's dtype."""
+        if self.kv_fp8:
+            return (dequantize_kv(self.k[i][index], self.k_scale[i][index], self.dtype),
+                    dequantize_kv(self.v[i][index], self.v_scale[i][index], self.dtype))
+        return self.k[i][index], self.v[i][index]
 
     # ---- cache management
     def ensure_capacity(self, length: int) -> None:
@@ -62,7 +99,7 @@ class BaseRunner(ABC):
         """Slot dst's first `length` positions := slot src's, in every cache."""
         if length <= 0 or src == dst:
             return
-        for t in (*self.k, *self.v):
+        for t in self._caches():
             t[dst, :, :length] = t[src, :, :length]
 
     @torch.inference_mode()
@@ -70,7 +107,7 @@ class BaseRunner(ABC):
         """Exchange the first `length` positions of two slots in every cache."""
         if length <= 0 or a == b:
             return
-        for t in (*self.k, *self.v):
+        for t in self._caches():
             tmp = t[a, :, :length].clone()
             t[a, :, :length] = t[b, :, :length]
             t[b, :, :length] = tmp

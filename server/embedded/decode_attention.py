@@ -47,10 +47,12 @@ def dequantize_kv(values: torch.Tensor, scale: Optional[torch.Tensor], dtype: to
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor,
                         ctx: int, scale: float, k_scale: Optional[torch.Tensor] = None,
                         v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """q [B, T, nq, d]; caches [S, nkv, P, d] (scales [S, nkv, P] for FP8); rows [B]; pos [B, T] (token t
-    of row b sees keys 0..pos[b, t]); keys read up to `ctx`. Returns [B, T, nq, d] in q's dtype."""
+    """q [B, T, nq, d]; caches [S, nkv, P, d] (scales [S, nkv, P] for FP8); rows [B] (or [B, T], the
+    slot repeated along T); pos [B, T] (token t of row b sees keys 0..pos[b, t]); keys read up to `ctx`.
+    Returns [B, T, nq, d] in q's dtype."""
     b, t, nq, d = q.shape
     nkv = k.shape[1]
+    rows = rows if rows.dim() == 1 else rows[:, 0]
     keys = dequantize_kv(k[rows, :, :ctx], None if k_scale is None else k_scale[rows, :, :ctx], q.dtype)
     values = dequantize_kv(v[rows, :, :ctx], None if v_scale is None else v_scale[rows, :, :ctx], q.dtype)
     mask = (torch.arange(ctx, device=q.device).view(1, 1, ctx) <= pos.unsqueeze(-1)).unsqueeze(1)  # [B, 1, T, ctx]
@@ -65,13 +67,13 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def split_kv(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, rows_ptr, pos_ptr, part_o, part_ml, sm_scale,
+    def split_kv(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, rows_ptr, pos_ptr, part_o, part_ml, sm_scale, stride_rb,
                  stride_qb, stride_qt, stride_qh, stride_cs, stride_ch, stride_cp, stride_ss, stride_sh,
                  NKV: tl.constexpr, T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, SPLITS: tl.constexpr, FP8: tl.constexpr):
         pid, split = tl.program_id(0), tl.program_id(1)
         b, h = pid // NKV, pid % NKV
-        slot = tl.load(rows_ptr + b).to(tl.int64)
+        slot = tl.load(rows_ptr + b * stride_rb).to(tl.int64)
         r = tl.arange(0, BLOCK_M)
         tok, grp = r // G, r % G
         live = r < T * G
@@ -165,8 +167,8 @@ def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: 
     g = nq // nkv
     if d & (d - 1) or d < 16:
         raise ValueError(f"split_kv_attention: head_dim {d} must be a power of two >= 16")
-    if k.stride(-1) != 1 or q.stride(-1) != 1:
-        raise ValueError("split_kv_attention: the last dimension of q and the caches must be contiguous")
+    if k.stride(-1) != 1 or q.stride(-1) != 1 or pos.stride(1) != 1 or pos.stride(0) != t:
+        raise ValueError("split_kv_attention: q and the caches need a contiguous head_dim, pos a contiguous [B, T]")
     fp8 = k_scale is not None
     block_m = max(16, 1 << math.ceil(math.log2(t * g)))
     if programs is None:
@@ -179,7 +181,7 @@ def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: 
     vs = v_scale if fp8 else part_ml
     split_kernel, combine_kernel = _kernels()
     split_kernel[(b * nkv, splits)](
-        q, k, v, ks, vs, rows, pos, part_o, part_ml, scale,
+        q, k, v, ks, vs, rows, pos, part_o, part_ml, scale, rows.stride(0),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         ks.stride(0) if fp8 else 0, ks.stride(1) if fp8 else 0,
         NKV=nkv, T=t, G=g, D=d, BLOCK_M=block_m, BLOCK_N=BLOCK_N, CHUNK=chunk, SPLITS=splits, FP8=fp8)

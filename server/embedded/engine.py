@@ -49,14 +49,14 @@ class EmbeddedEngine(EngineBase):
                  max_input_len: Optional[int] = None, prefix_reuse: bool = True, threads: Optional[int] = None,
                  load: Optional[Callable[[], tuple[Any, Any]]] = None, device: str = "auto",
                  runner: str = "auto", compile: bool = False, drafter: Any = None,
-                 speculative: Optional[SpecConfig] = None, deterministic: bool = False):
+                 speculative: Optional[SpecConfig] = None, deterministic: bool = False, kv_cache_dtype: str = "auto"):
         """Either a loaded (model, tokenizer) or `load`, which the engine thread runs itself.
 
         `runner`: auto (graph on CUDA, slot on CPU), graph or slot; `compile`: torch.compile the
         graph runner's elementwise work. `drafter` (a ReDrafter module or its folder) with
         `speculative` turns on speculative decoding. `deterministic`: a request's tokens do not depend
         on what else runs (server/embedded/deterministic.py: the slot runner, one row at a time,
-        aligned prefill chunks, no drafting).
+        aligned prefill chunks, no drafting). `kv_cache_dtype`: auto (the model's) or fp8 (base_runner.py).
         """
         _check_runner(runner, deterministic)
         self.device = resolve_device(device)
@@ -67,6 +67,7 @@ class EmbeddedEngine(EngineBase):
             raise ValueError("EmbeddedEngine: pass either model and tokenizer, or load")
         drafter, speculative = _speculation(drafter, speculative, deterministic)
         self.compile = compile
+        self.kv_cache_dtype = kv_cache_dtype
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         self.max_input_len = max_input_len or max_seq_len - 1
         self.prefix_reuse = prefix_reuse
@@ -108,7 +109,8 @@ class EmbeddedEngine(EngineBase):
                 model, self._drafter_src, self.spec, self.spec_max_batch, self.device)
             # drafts are verified up to draft_len positions past the last token a sequence may keep
             capacity = self.max_seq_len + (self.spec.draft_len if self.spec else 0)
-            self.runner = _make_runner(self.runner_kind, model, self.max_batch_size, capacity, self.compile)
+            self.runner = _make_runner(self.runner_kind, model, self.max_batch_size, capacity, self.compile,
+                                       self.kv_cache_dtype)
             self.step = PlainStep(self.runner, self.stats, self._emit, self.deterministic) if drafter is None else (
                 SpeculativeStep(self.runner, self.stats, self._emit, *drafter, self.spec, self.spec_max_batch))
             self.scheduler = Scheduler(self.runner, self.max_batch_size, self.max_seq_len, self.max_input_len,
@@ -284,12 +286,12 @@ def _load_here(model: Any, tokenizer: Any, load: Optional[Callable[[], tuple[Any
     return model, tokenizer
 
 
-def _make_runner(kind: str, model: Any, slots: int, capacity: int, compile: bool) -> BaseRunner:
+def _make_runner(kind: str, model: Any, slots: int, capacity: int, compile: bool, kv_cache_dtype: str) -> BaseRunner:
     if kind == "graph":
         from server.embedded.graph_runner import GraphRunner
 
-        return GraphRunner(model, slots, capacity, compile=compile)
-    return SlotRunner(model, slots, capacity)
+        return GraphRunner(model, slots, capacity, compile=compile, kv_cache_dtype=kv_cache_dtype)
+    return SlotRunner(model, slots, capacity, kv_cache_dtype=kv_cache_dtype)
 
 
 def _check_runner(runner: str, deterministic: bool) -> None:

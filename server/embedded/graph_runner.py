@@ -10,8 +10,12 @@ small model (gpt-fast's lesson):
 - **Fused projections**: q/k/v and gate/up are concatenated into one GEMM each (bf16 weights, and
   int8 weight-only with per-channel scales, where concatenating is exact); FP8 layers keep their
   per-tensor scales and run as they are.
-- **Decode attention without GQA expansion**: the `group` query heads of one KV head are laid out as
-  `group` query rows of one attention over that head's keys, so SDPA reads each K/V once.
+- **Decode attention without GQA expansion**, in one of three forms (`attention`): `rows`, the `group`
+  query heads of one KV head laid out as `group` query rows of one SDPA over that head's keys (the
+  CPU runner's logits bit for bit); `gqa`, SDPA's grouped-query form; `split`, the split-KV Triton
+  kernel (decode_attention.py), which reads the cache in place, bf16 or FP8, and spreads long
+  contexts over the whole GPU. An FP8 cache (`kv_cache_dtype="fp8"`) is read by `split` on CUDA;
+  elsewhere it is dequantised for SDPA.
 - **CUDA graphs**: one captured decode step per (batch bucket, context bucket): the batch is padded
   up to a bucket size and the keys read up to a power-of-two context, so a handful of graphs serve
   every step. Inputs go through static buffers; one graph replay is the whole step, lm_head included.
@@ -32,9 +36,11 @@ import torch
 import torch.nn.functional as F
 
 from server.embedded.base_runner import BaseRunner, Draft
+from server.embedded.decode_attention import split_kv_attention
 from server.embedded.qlinear import Int8WeightOnlyLinear
 
-ATTENTION_ENV = "EMBEDDED_ATTENTION"  # gqa|rows: the decode attention's layout, for side-by-side measurements
+ATTENTION_ENV = "EMBEDDED_ATTENTION"  # rows|gqa|split: the decode attention's form, for side-by-side measurements
+ATTENTION_FORMS = ("rows", "gqa", "split")
 
 MIN_CONTEXT_BUCKET = 256
 
@@ -175,19 +181,21 @@ def _post_attention(h: torch.Tensor, o: torch.Tensor, o_proj: Any, norm: Any, ga
 
 class GraphRunner(BaseRunner):
     def __init__(self, model: Any, num_slots: int, max_seq_len: int, graphs: Optional[bool] = None,
-                 compile: bool = False, fuse: Optional[bool] = None, attention: Optional[str] = None):
-        """`attention`: how a decode/verify step lays out grouped-query attention. "gqa": the query
-        heads as they are, SDPA's grouped-query form (`enable_gqa`), which reads each KV head once at
-        any context; "rows": a KV head's group of query heads as query rows of one attention, which
-        gives the CPU runner's logits bit for bit. Default: rows (gqa is not yet measured on a GPU;
-        issue 31); EMBEDDED_ATTENTION=gqa|rows overrides it (for side-by-side measurements)."""
-        super().__init__(model, num_slots, max_seq_len)
+                 compile: bool = False, fuse: Optional[bool] = None, attention: Optional[str] = None,
+                 kv_cache_dtype: str = "auto"):
+        """`attention`: the decode/verify attention's form (module docstring): rows, gqa or split.
+        Default: split for an FP8 cache on CUDA, else rows (the others are not yet measured on a GPU;
+        issue 31); EMBEDDED_ATTENTION overrides it (for side-by-side measurements)."""
+        super().__init__(model, num_slots, max_seq_len, kv_cache_dtype)
         cfg = model.config
         cuda = self.device.type == "cuda"
         self.graphs = cuda if graphs is None else graphs
-        attention = attention or os.environ.get(ATTENTION_ENV) or "rows"
-        if attention not in ("gqa", "rows"):
-            raise ValueError(f"GraphRunner: attention must be gqa or rows (got {attention!r}; {ATTENTION_ENV})")
+        attention = attention or os.environ.get(ATTENTION_ENV) or ("split" if cuda and self.kv_fp8 else "rows")
+        if attention not in ATTENTION_FORMS:
+            raise ValueError(f"GraphRunner: attention must be one of {ATTENTION_FORMS} (got {attention!r}; "
+                             f"{ATTENTION_ENV})")
+        if attention == "split" and not cuda:
+            raise ValueError(f"GraphRunner: attention 'split' is a CUDA kernel; on {self.device} use rows or gqa")
         self.attention = attention
         self.group = self.num_heads // self.num_kv_heads
         self.capacity = max_seq_len  # static: the scheduler never asks for more
@@ -217,17 +225,23 @@ class GraphRunner(BaseRunner):
         b, t = ids.shape
         h = self.inner.embed_tokens(ids.reshape(-1))
         cos, sin = self.cos[pos.reshape(-1)], self.sin[pos.reshape(-1)]
-        mask = (torch.arange(ctx, device=ids.device).view(1, 1, ctx) <= pos.unsqueeze(-1))  # [B, T, ctx]
         g, nq, nkv, d = self.group, self.num_heads, self.num_kv_heads, self.head_dim
-        gqa = self.attention == "gqa"
-        # gqa: [B, 1, T, ctx] over the query heads; rows: query rows (token, group head) per KV head
-        mask = mask.unsqueeze(1) if gqa else mask.repeat_interleave(g, 1).unsqueeze(1)
+        form = self.attention
+        if form != "split":  # the kernel masks by pos itself
+            mask = (torch.arange(ctx, device=ids.device).view(1, 1, ctx) <= pos.unsqueeze(-1))  # [B, T, ctx]
+            # gqa: [B, 1, T, ctx] over the query heads; rows: query rows (token, group head) per KV head
+            mask = mask.unsqueeze(1) if form == "gqa" else mask.repeat_interleave(g, 1).unsqueeze(1)
         for i, layer in enumerate(self.layers):
             q, k, v = layer.pre(h, cos, sin, nq, nkv, d)
-            self.k[i][write_rows, :, pos] = k.view(b, t, nkv, d)
-            self.v[i][write_rows, :, pos] = v.view(b, t, nkv, d)
-            keys, values = self.k[i][:b, :, :ctx], self.v[i][:b, :, :ctx]
-            if gqa:
+            self._kv_put(i, (write_rows, slice(None), pos), k.view(b, t, nkv, d), v.view(b, t, nkv, d))
+            if form == "split":  # reads the cache in place (FP8 included); the rows' slots are write_rows
+                o = split_kv_attention(q.view(b, t, nq, d), self.k[i], self.v[i], write_rows, pos, ctx, self.scale,
+                                       self.k_scale[i] if self.kv_fp8 else None,
+                                       self.v_scale[i] if self.kv_fp8 else None).view(b * t, nq * d)
+                h = layer.post(h, o)
+                continue
+            keys, values = self._kv_read(i, (slice(None, b), slice(None), slice(None, ctx)))
+            if form == "gqa":
                 o = F.scaled_dot_product_attention(q.view(b, t, nq, d).transpose(1, 2), keys, values, attn_mask=mask,
                                                    scale=self.scale, enable_gqa=g > 1)  # [B, nq, T, d]
                 o = o.transpose(1, 2).reshape(b * t, nq * d)
@@ -245,9 +259,8 @@ class GraphRunner(BaseRunner):
         cos, sin = self.cos[pos], self.sin[pos]
         for i, layer in enumerate(self.layers):
             q, k, v = layer.pre(h, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
-            self.k[i][slot, :, start:end] = k.transpose(0, 1)
-            self.v[i][slot, :, start:end] = v.transpose(0, 1)
-            keys, values = self.k[i][slot, :, :end], self.v[i][slot, :, :end]  # [nkv, end, d]
+            self._kv_put(i, (slot, slice(None), slice(start, end)), k.transpose(0, 1), v.transpose(0, 1))
+            keys, values = self._kv_read(i, (slot, slice(None), slice(None, end)))  # [nkv, end, d]
             if self.group > 1:
                 keys, values = keys.repeat_interleave(self.group, 0), values.repeat_interleave(self.group, 0)
             o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),

@@ -27,8 +27,9 @@ from server.embedded.base_runner import BaseRunner
 
 
 class SlotRunner(BaseRunner):
-    def __init__(self, model: Any, num_slots: int, max_seq_len: int, initial_capacity: int = 256):
-        super().__init__(model, num_slots, max_seq_len)
+    def __init__(self, model: Any, num_slots: int, max_seq_len: int, initial_capacity: int = 256,
+                 kv_cache_dtype: str = "auto"):
+        super().__init__(model, num_slots, max_seq_len, kv_cache_dtype)
         cfg = model.config
         layer_types = getattr(cfg, "layer_types", None) or []
         if getattr(cfg, "use_sliding_window", False) or any(t != "full_attention" for t in layer_types):
@@ -51,14 +52,18 @@ class SlotRunner(BaseRunner):
         while new < length:
             new *= 2
         new = min(new, self.max_seq_len)
-        pad = new - self.capacity
-        self.k = [F.pad(t, (0, 0, 0, pad)) for t in self.k]
-        self.v = [F.pad(t, (0, 0, 0, pad)) for t in self.v]
+        old = (self.k, self.v, self.k_scale, self.v_scale)
+        self._allocate_kv(self.num_slots, new)
+        for grown, kept in zip(self._caches(), (t for group in old for t in group)):
+            grown[:, :, :self.capacity] = kept
         self.capacity = new
 
     # ---- forward
     def _attention_layer(self, i: int, layer: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                         write: Any, read: Any, mask: torch.Tensor) -> torch.Tensor:
+                         write: tuple[Any, ...], as_written: Any, read: tuple[Any, ...], mask: torch.Tensor
+                         ) -> torch.Tensor:
+        """One decoder layer: K/V of h [B, T, H] go to cache[write] (shaped by `as_written` from
+        [B, kv_heads, T, head_dim]), attention reads cache[read] under `mask`."""
         attn = layer.self_attn
         b, t, _ = h.shape
         x = layer.input_layernorm(h)
@@ -66,9 +71,8 @@ class SlotRunner(BaseRunner):
         k = attn.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = attn.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = self._rope(q, k, cos, sin)
-        write(self.k[i], k)
-        write(self.v[i], v)
-        keys, values = read(self.k[i]), read(self.v[i])
+        self._kv_put(i, write, as_written(k), as_written(v))
+        keys, values = self._kv_read(i, read)
         o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale,
                                            enable_gqa=self.num_kv_heads != self.num_heads)
         h = h + attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
@@ -79,14 +83,9 @@ class SlotRunner(BaseRunner):
         h = self.inner.embed_tokens(ids.unsqueeze(0))
         cos, sin = self.inner.rotary_emb(h, pos.unsqueeze(0))
 
-        def write(cache: torch.Tensor, new: torch.Tensor) -> None:
-            cache[slot, :, start:end] = new[0]
-
-        def read(cache: torch.Tensor) -> torch.Tensor:
-            return cache[slot:slot + 1, :, :end]
-
+        write, read = (slot, slice(None), slice(start, end)), (slice(slot, slot + 1), slice(None), slice(None, end))
         for i, layer in enumerate(self.layers):
-            h = self._attention_layer(i, layer, h, cos, sin, write, read, mask)
+            h = self._attention_layer(i, layer, h, cos, sin, write, lambda new: new[0], read, mask)
         return h[0]
 
     @torch.inference_mode()
@@ -104,14 +103,10 @@ class SlotRunner(BaseRunner):
         cos, sin = self.inner.rotary_emb(h, pos)
         mask = (torch.arange(longest, device=dev).unsqueeze(0) <= pos).view(n, 1, 1, longest)
 
-        def write(cache: torch.Tensor, new: torch.Tensor) -> None:
-            cache[rows, :, pos[:, 0]] = new[:, :, 0]
-
-        def read(cache: torch.Tensor) -> torch.Tensor:
-            return cache[first_slot:first_slot + n, :, :longest]
-
+        write = (rows, slice(None), pos[:, 0])
+        read = (slice(first_slot, first_slot + n), slice(None), slice(None, longest))
         for i, layer in enumerate(self.layers):
-            h = self._attention_layer(i, layer, h, cos, sin, write, read, mask)
+            h = self._attention_layer(i, layer, h, cos, sin, write, lambda new: new[:, :, 0], read, mask)
         return self._head(h[:, -1], hidden)
 
     @torch.inference_mode()
@@ -128,12 +123,7 @@ class SlotRunner(BaseRunner):
         cos, sin = self.inner.rotary_emb(h, pos)
         mask = (torch.arange(longest, device=dev).view(1, 1, longest) <= pos.unsqueeze(-1)).unsqueeze(1)
 
-        def write(cache: torch.Tensor, new: torch.Tensor) -> None:
-            cache[rows, :, pos] = new.transpose(1, 2)  # [n, T, kv_heads, head_dim]
-
-        def read(cache: torch.Tensor) -> torch.Tensor:
-            return cache[:n, :, :longest]
-
-        for i, layer in enumerate(self.layers):
-            h = self._attention_layer(i, layer, h, cos, sin, write, read, mask)
+        write, read = (rows, slice(None), pos), (slice(None, n), slice(None), slice(None, longest))
+        for i, layer in enumerate(self.layers):  # written as [n, T, kv_heads, head_dim]
+            h = self._attention_layer(i, layer, h, cos, sin, write, lambda new: new.transpose(1, 2), read, mask)
         return self._head(h, hidden)

@@ -8,8 +8,8 @@ defaults without a recipe), then the environment (one command's override, e.g. `
 DEVICE=cpu`), then the command's flags.
 
 `engine_options` makes the choices `EmbeddedEngine.from_dir` makes before it loads anything: the
-limits the build fixed, then the device, speculative decoding and deterministic mode of the serving
-settings, then keyword arguments. `auto` devices are resolved by `resolve_device`, here and only here.
+limits the build fixed, then the device, speculative decoding, deterministic mode and KV cache dtype of
+the serving settings, then keyword arguments. `auto` devices are resolved by `resolve_device`, here and only here.
 Nothing here imports torch at import time: the surfaces resolve settings for remote backends too.
 """
 
@@ -103,7 +103,8 @@ def engine_options(engine_dir: str | Path, overrides: dict[str, Any]) -> tuple[P
         max_batch = serving.speculative.max_batch
     engine_dir = Path(engine_dir)
     spec_file = engine_dir / ENGINE_FILE
-    kw: dict[str, Any] = {"device": serving.device, "deterministic": serving.deterministic}
+    kw: dict[str, Any] = {"device": serving.device, "deterministic": serving.deterministic,
+                          "kv_cache_dtype": serving.kv_cache_dtype}
     if spec_file.is_file():
         spec = read_json(spec_file, "no engine folder here; run `make engine` first", "rebuild it with `make build`")
         if spec.get("backend") != "embedded":

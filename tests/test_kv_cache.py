@@ -1,0 +1,98 @@
+"""The FP8 KV cache of the embedded runners: both runners keep the same cache (values and scales) and
+give the same logits, prefix copies, swaps and a growing cache included; its logits stay close to the
+model-dtype cache's without being equal (it quantizes); the engine serves with it end to end."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from aimo_spec.protocol import Request, SamplingParams, collect
+
+PROMPTS = [[1, 5, 9, 22, 40], [3, 4], [7, 8, 9, 10, 11, 12, 13]]
+
+
+def _prefilled(runner):
+    for slot, p in enumerate(PROMPTS):
+        runner.prefill(slot, p, 0)
+    runner.copy(2, 3, 7)
+    runner.swap(0, 1, 5)
+    return runner
+
+
+def test_both_runners_keep_the_same_fp8_cache_and_logits(tiny_models):
+    from server.embedded.graph_runner import GraphRunner
+    from server.embedded.loader import load_model
+    from server.embedded.runner import SlotRunner
+
+    for name in ("llama-tir", "qwen-tir"):
+        model = load_model(tiny_models[name])
+        # the slot runner starts with 8 positions: its FP8 cache and scales grow twice during the test
+        a = _prefilled(SlotRunner(model, 4, 128, initial_capacity=8, kv_cache_dtype="fp8"))
+        b = _prefilled(GraphRunner(model, 4, 128, kv_cache_dtype="fp8"))
+        assert a.k[0].dtype == b.k[0].dtype == torch.float8_e4m3fn and a.k_scale and b.v_scale
+        toks, pos = [5, 6, 7, 8], [2, 5, 7, 7]
+        for _ in range(20):
+            la, lb = a.decode(toks, pos), b.decode(toks, pos)
+            assert torch.equal(la, lb), name
+            toks, pos = la.argmax(-1).tolist(), [p + 1 for p in pos]
+        assert a.capacity == 32
+        for i in range(len(a.k)):
+            n = a.capacity
+            assert torch.equal(a.k[i][:4, :, :n].float(), b.k[i][:4, :, :n].float())
+            assert torch.equal(a.v_scale[i][:4, :, :n], b.v_scale[i][:4, :, :n])
+        va, vb = a.verify([[1, 2, 3]] * 4, pos), b.verify([[1, 2, 3]] * 4, pos)
+        assert torch.equal(va, vb), name
+
+
+def test_the_fp8_cache_quantizes_and_stays_close(tiny_models):
+    from server.embedded.loader import load_model
+    from server.embedded.runner import SlotRunner
+
+    model = load_model(tiny_models["qwen-tir"]).float()
+    exact = _prefilled(SlotRunner(model, 4, 64))
+    fp8 = _prefilled(SlotRunner(model, 4, 64, kv_cache_dtype="fp8"))
+    toks, pos = [5, 6, 7, 8], [2, 5, 7, 7]
+    worst_kl = 0.0
+    for _ in range(10):
+        le, lf = exact.decode(toks, pos), fp8.decode(toks, pos)
+        assert not torch.equal(le, lf)  # the cache is quantized, not kept at the model's precision
+        kl = torch.nn.functional.kl_div(lf.log_softmax(-1), le.log_softmax(-1), log_target=True, reduction="none")
+        worst_kl = max(worst_kl, kl.sum(-1).max().item())
+        toks, pos = le.argmax(-1).tolist(), [p + 1 for p in pos]
+    assert worst_kl < 0.05, worst_kl
+
+
+def test_a_kv_cache_dtype_the_runner_does_not_know_is_named(tiny_models):
+    from server.embedded.loader import load_model
+    from server.embedded.runner import SlotRunner
+
+    with pytest.raises(ValueError, match="kv_cache_dtype 'int4'"):
+        SlotRunner(load_model(tiny_models["llama-tir"]), 2, 32, kv_cache_dtype="int4")
+
+
+def test_the_split_kernel_is_cuda_only_in_the_graph_runner(tiny_models):
+    from server.embedded.graph_runner import GraphRunner
+    from server.embedded.loader import load_model
+
+    model = load_model(tiny_models["llama-tir"])
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA kernel"):
+            GraphRunner(model, 2, 32, attention="split")
+    assert GraphRunner(model, 2, 32, kv_cache_dtype="fp8").attention == "rows"  # the CPU reads it dequantized
+
+
+def test_the_engine_serves_with_an_fp8_cache(tiny_models):
+    from server.embedded.engine import EmbeddedEngine
+
+    eng = EmbeddedEngine.from_dir(tiny_models["llama-tir"], device="cpu", kv_cache_dtype="fp8", max_batch_size=2,
+                                  max_seq_len=256)
+    try:
+        assert eng.runner.kv_fp8
+        _, out = asyncio.run(collect(eng, Request("What is 2+2?", SamplingParams(temperature=0, max_tokens=12,
+                                                                                 ignore_eos=True))))
+        assert out.finish_reason == "length" and len(out.token_ids) == 12 and not out.error
+    finally:
+        eng.shutdown()
