@@ -117,6 +117,16 @@ def test_engine_folder_serves_tokens(qwen_build):
     assert out.shape[1] == ids.shape[1] + 5
 
 
+def test_the_build_prices_the_fp8_kv_cache_and_the_report_shows_it(qwen_build):
+    from trtbuild.__main__ import report
+
+    m = json.loads((qwen_build.out_dir / "build" / "embedded" / "manifest.json").read_text())
+    price = m["kv_cache_price"]["fp8"]
+    assert price["positions"] > 0 and 0 < price["kl_mean"] and 0 < price["token_agreement"] <= 1
+    assert price["reply_len_ref"] > 0 and isinstance(m["kv_cache_price"]["flags"], list)
+    assert "FP8 KV cache vs model-dtype cache: KL" in report(qwen_build)
+
+
 def test_second_run_does_no_work(qwen_build, capfd):
     before = _finished(qwen_build.out_dir)
     capfd.readouterr()

@@ -76,6 +76,12 @@ def report(recipe: Recipe) -> str:
         m = mf.read_manifest(layout.engine(backend))
         if m:
             lines.append(f"build/{backend}: {m['seconds']}s, {_mb(m['size_bytes'])}, serves {m['quantization']}")
+            if (kv := m.get("kv_cache_price")):  # serving.kv_cache_dtype: fp8, priced by the build
+                q = kv["fp8"]
+                lines.append(f"  FP8 KV cache vs model-dtype cache: KL {q['kl_mean']:.4f}, agreement "
+                             f"{q['token_agreement']:.1%}, reply len {q['reply_len']:.1f} vs {q['reply_len_ref']:.1f}, "
+                             f"code calls {q['code_calls']:.2f} vs {q['code_calls_ref']:.2f}"
+                             + (f"  [flagged: {'; '.join(kv['flags'])}]" if kv["flags"] else ""))
     return "\n".join(lines)
 
 

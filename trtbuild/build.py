@@ -23,8 +23,8 @@ from trtbuild import backends, stages
 from trtbuild import manifest as mf
 
 # bump VERSION when the output of this stage changes for the same inputs (2: embedded folders carry drafter/;
-# 3: engine.json no longer copies the recipe's serving section)
-VERSION = 3
+# 3: engine.json no longer copies the recipe's serving section; 4: embedded builds price the FP8 KV cache)
+VERSION = 4
 STAGE = "build"
 # The serving fields the build reads: TensorRT-LLM's calibration set is rendered in the serving chat format.
 # Everything else in `serving` is the runtime's (server.embedded.settings.serving_settings): editing it
@@ -105,6 +105,7 @@ def run(recipe: Recipe, backend: str = "auto", trtllm_env: Any = None, runner: A
                     raise FileNotFoundError(f"build: no drafter at {drafter}: run `make drafter` first")
                 shutil.copytree(drafter, tmp / "drafter", ignore=shutil.ignore_patterns(mf.MANIFEST))
                 drafter_rel = "drafter"
+            extra["kv_cache_price"] = price_fp8_kv(recipe, tmp / "model")
         else:
             (tmp / "engine").mkdir()
             extra["steps"] = tb.run_steps(steps or [], tmp / "engine", runner or tb.run_subprocess)
@@ -117,3 +118,15 @@ def run(recipe: Recipe, backend: str = "auto", trtllm_env: Any = None, runner: A
     stages.produce(f"{STAGE}/{chosen}", final, fp, make)
     mf.log(STAGE, f"{chosen}: engine ready in {final}")
     return final
+
+
+def price_fp8_kv(recipe: Recipe, model_dir: Path) -> dict[str, Any]:
+    """The FP8 KV cache's price on the packed weights (a serving switch, priced once here: kv_price.py)."""
+    from trtbuild.kv_price import kv_cache_price
+
+    mf.log(STAGE, f"embedded: pricing the FP8 KV cache on {recipe.quality.prompts} quality prompts ...")
+    price = kv_cache_price(model_dir, recipe)
+    flags = price.verdict(recipe.quality)
+    mf.log(STAGE, f"embedded: FP8 KV cache vs the model-dtype cache: {price.summary()}"
+           + (f"  [flagged: {'; '.join(flags)}]" if flags else ""))
+    return {"fp8": price.as_dict(), "flags": flags}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -113,16 +113,26 @@ class Price:
 def price(ref_model: Any, cand_model: Any, tokenizer: Any, ref: Replies, max_new_tokens: int, tags: CodeTags,
           cand: Replies | None = None) -> Price:
     """Compare `cand_model` with the reference whose recorded replies are `ref`."""
+    cand = cand or record_replies(cand_model, tokenizer, ref.prompts, max_new_tokens)
+    return price_of(lambda p, r: _reply_logprobs(ref_model, p, r), lambda p, r: _reply_logprobs(cand_model, p, r),
+                    ref, cand, tags)
+
+
+LogProbs = Callable[[list[int], list[int]], torch.Tensor]  # (prompt, reply) -> [len(reply), vocab] log p
+
+
+def price_of(ref_logprobs: LogProbs, cand_logprobs: LogProbs, ref: Replies, cand: Replies, tags: CodeTags) -> Price:
+    """The price of a candidate against a reference, each given as teacher-forced log-probabilities
+    (models, or a runtime option such as the FP8 KV cache) and its own greedy replies."""
     kls: list[float] = []
     agree = 0
     for prompt, reply in zip(ref.prompts, ref.tokens):
         if not reply:
             continue
-        lp_ref = _reply_logprobs(ref_model, prompt, reply)
-        lp_cand = _reply_logprobs(cand_model, prompt, reply)
+        lp_ref = ref_logprobs(prompt, reply)
+        lp_cand = cand_logprobs(prompt, reply)
         kls += (lp_ref.exp() * (lp_ref - lp_cand)).sum(-1).clamp_min(0).tolist()
         agree += int((lp_ref.argmax(-1) == lp_cand.argmax(-1)).sum())
-    cand = cand or record_replies(cand_model, tokenizer, ref.prompts, max_new_tokens)
     kls_sorted = sorted(kls)
     n = max(1, len(kls))
     return Price(

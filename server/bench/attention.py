@@ -92,7 +92,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     dev = torch.device("cuda")
     bandwidth = copy_bandwidth(dev)
     print(f"[bench.attention] copy bandwidth {bandwidth / 1e12:.2f} TB/s", file=sys.stderr)
-    results = []
+    meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "copy_bandwidth_tb_s": round(bandwidth / 1e12, 2)}
+    try:
+        import triton
+
+        meta["triton"] = triton.__version__
+    except ImportError:
+        pass
+    results: list[dict] = []
     for shape in args.shapes.split(","):
         nq, nkv, d = HEADS[shape]
         for ctx in (int(c) for c in args.contexts.split(",")):
@@ -117,18 +125,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                     row["bound_bf16_us"] = round(bf16_bytes / bandwidth * 1e6, 1)
                     results.append(row)
                     print(json.dumps(row), flush=True)
+                    if args.out:  # after every row: a run cut short keeps what it measured
+                        args.out.parent.mkdir(parents=True, exist_ok=True)
+                        args.out.write_text(json.dumps({"meta": meta, "rows": results}, indent=2))
                 del k, v, kq, vq, ks, vs
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(),
-                "torch": torch.__version__, "copy_bandwidth_tb_s": round(bandwidth / 1e12, 2)}
-        try:
-            import triton
-
-            meta["triton"] = triton.__version__
-        except ImportError:
-            pass
-        args.out.write_text(json.dumps({"meta": meta, "rows": results}, indent=2))
     return 0
 
 

@@ -207,7 +207,7 @@ def hf_compiled(model: Any, vocab: int, b: int, context: int, short: int, long: 
 
 
 def measure(shape: str, fmt: str, batches: list[int], contexts: list[int], dev: torch.device, bandwidth: float,
-            steps: int, compile: bool, peers: bool, check: bool) -> list[dict]:
+            steps: int, compile: bool, peers: bool, check: bool, kv_dtypes: tuple[str, ...] = ("auto",)) -> list[dict]:
     from server.embedded.engine import EmbeddedEngine
     from server.embedded.graph_runner import GraphRunner
 
@@ -217,40 +217,47 @@ def measure(shape: str, fmt: str, batches: list[int], contexts: list[int], dev: 
     vocab = cfg.vocab_size
     wbytes = weight_bytes(model)
     head_dim = cfg.hidden_size // cfg.num_attention_heads
-    kv_per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * 2  # bf16 K and V
+    # bytes a token's K and V take in every layer: bf16, or e4m3 plus one float32 scale a vector
+    kv_bytes = {"auto": cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * 2,
+                "fp8": cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * (head_dim + 4)}
     rows = []
     extra = {}
     if check:
         extra = agreement(model, vocab, min(contexts))
         log(f"{shape} {fmt}: GraphRunner vs SlotRunner on the GPU: {extra}")
     max_seq = max(contexts) + 2 * steps + 80
-    runner = GraphRunner(model, max(batches), max_seq, compile=compile)
-    for context in contexts:
-        for b in batches:
-            step = runner_decode(runner, vocab, b, context, steps)
-            bytes_step = wbytes + b * (context + steps // 2) * kv_per_token
-            bound = b / (bytes_step / bandwidth)
-            rows.append({"shape": shape, "format": fmt, "batch": b, "context": context, "compile": compile,
-                         "runner_tok_s": round(b / step, 1), "runner_step_ms": round(step * 1e3, 3),
-                         "bound_tok_s": round(bound, 1), "runner_fraction_of_bound": round(b / step / bound, 3),
-                         "weight_gb": round(wbytes / 1e9, 2), **extra})
-            log(json.dumps(rows[-1]))
-    del runner
-    torch.cuda.empty_cache()
-    engine = EmbeddedEngine(model, word_tokenizer(vocab), max_batch_size=max(batches), max_seq_len=max_seq,
-                            prefix_reuse=False, device=str(dev), compile=compile)
-    try:
-        for row in rows:
-            e = engine_decode(engine, vocab, row["batch"], row["context"], 8, 8 + 2 * steps)
-            # the engine's own cost (scheduler, sampler, streams) is what it loses against its runner alone
-            row.update({"engine_tok_s": e["tok_s"], "engine_fraction_of_bound": round(e["tok_s"] / row["bound_tok_s"], 3),
-                        "engine_overhead_fraction": round(1 - e["tok_s"] / row["runner_tok_s"], 3)})
-            log(f"{shape} {fmt} b={row['batch']} ctx={row['context']}: engine {e}")
-    finally:
-        engine.shutdown()
+    for kv in kv_dtypes:
+        runner = GraphRunner(model, max(batches), max_seq, compile=compile, kv_cache_dtype=kv)
+        kv_rows = []
+        for context in contexts:
+            for b in batches:
+                step = runner_decode(runner, vocab, b, context, steps)
+                bytes_step = wbytes + b * (context + steps // 2) * kv_bytes[kv]
+                bound = b / (bytes_step / bandwidth)
+                kv_rows.append({"shape": shape, "format": fmt, "kv_cache": kv, "attention": runner.attention,
+                                "batch": b, "context": context, "compile": compile,
+                                "runner_tok_s": round(b / step, 1), "runner_step_ms": round(step * 1e3, 3),
+                                "bound_tok_s": round(bound, 1), "runner_fraction_of_bound": round(b / step / bound, 3),
+                                "weight_gb": round(wbytes / 1e9, 2), **extra})
+                log(json.dumps(kv_rows[-1]))
+        del runner
+        torch.cuda.empty_cache()
+        engine = EmbeddedEngine(model, word_tokenizer(vocab), max_batch_size=max(batches), max_seq_len=max_seq,
+                                prefix_reuse=False, device=str(dev), compile=compile, kv_cache_dtype=kv)
+        try:
+            for row in kv_rows:
+                e = engine_decode(engine, vocab, row["batch"], row["context"], 8, 8 + 2 * steps)
+                # the engine's own cost (scheduler, sampler, streams) is what it loses against its runner alone
+                row.update({"engine_tok_s": e["tok_s"],
+                            "engine_fraction_of_bound": round(e["tok_s"] / row["bound_tok_s"], 3),
+                            "engine_overhead_fraction": round(1 - e["tok_s"] / row["runner_tok_s"], 3)})
+                log(f"{shape} {fmt} kv={kv} b={row['batch']} ctx={row['context']}: engine {e}")
+        finally:
+            engine.shutdown()
+        rows += kv_rows
     if peers and fmt == "bf16":
         for row in rows:
-            if row["context"] == min(contexts) and row["batch"] <= 8:
+            if row["context"] == min(contexts) and row["batch"] <= 8 and row["kv_cache"] == "auto":
                 hf = hf_compiled(model, vocab, row["batch"], row["context"], steps // 2, steps + steps // 2)
                 row["hf_compiled_tok_s"] = None if hf is None else round(hf, 1)
                 if hf:
@@ -269,6 +276,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--contexts", default="512")
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--kv-cache", default="auto", help="KV cache dtypes to measure: auto (the model's), fp8")
     ap.add_argument("--compile", action="store_true", help="torch.compile the GraphRunner's elementwise work")
     ap.add_argument("--no-peers", action="store_true", help="skip transformers' compiled generate")
     ap.add_argument("--no-check", action="store_true", help="skip the GraphRunner vs SlotRunner agreement")
@@ -287,7 +295,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             try:
                 rows += measure(shape, fmt, [int(b) for b in args.batches.split(",")],
                                 [int(c) for c in args.contexts.split(",")], dev, bw, args.steps, args.compile,
-                                not args.no_peers, not args.no_check)
+                                not args.no_peers, not args.no_check, tuple(args.kv_cache.split(",")))
             except Exception as e:  # noqa: BLE001 - one failing configuration must not lose the others
                 import traceback
 

@@ -124,6 +124,15 @@ class BaseRunner(ABC):
     def prefill(self, slot: int, token_ids: list[int], start: int, hidden: bool = False) -> Any:
         """Write KV for token_ids at positions [start, start+n) of `slot`; logits [V] of the last one
         (and its normed hidden state [H] with `hidden`)."""
+        return self._head(self._prefill_hidden(slot, token_ids, start)[-1], hidden)
+
+    @torch.inference_mode()
+    def score(self, slot: int, token_ids: list[int]) -> torch.Tensor:
+        """Prefill `token_ids` into `slot` from position 0 and return the logits [n, V] after every
+        token: teacher forcing through the serving cache (what a quality gate prices it with)."""
+        return self._head(self._prefill_hidden(slot, token_ids, 0), False)
+
+    def _prefill_hidden(self, slot: int, token_ids: list[int], start: int) -> torch.Tensor:
         n = len(token_ids)
         end = start + n
         self.ensure_capacity(end)
@@ -131,8 +140,7 @@ class BaseRunner(ABC):
         ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
         pos = torch.arange(start, end, device=dev)
         mask = torch.arange(end, device=dev).unsqueeze(0) <= pos.unsqueeze(1)  # [n, end]: causal over the prefix
-        h = self._prefill_layers(slot, start, end, ids, pos, mask)
-        return self._head(h[-1], hidden)
+        return self._prefill_layers(slot, start, end, ids, pos, mask)
 
     @abstractmethod
     def _prefill_layers(self, slot: int, start: int, end: int, ids: torch.Tensor, pos: torch.Tensor,
