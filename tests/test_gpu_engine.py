@@ -36,11 +36,15 @@ def test_fp8_kernel_matches_the_cpu_emulation():
     w = torch.randn(512, 256)
     scale = w.abs().amax() / FP8_MAX
     lin = Fp8Linear((w / scale).to(torch.float8_e4m3fn), scale, torch.tensor(0.02), None, torch.bfloat16)
-    x = torch.randn(4, 256, dtype=torch.bfloat16)
-    ref = lin(x).float()
-    got = lin.to("cuda")(x.cuda()).float().cpu()
+    big, small = torch.randn(32, 256, dtype=torch.bfloat16), torch.randn(4, 256, dtype=torch.bfloat16)
+    ref = lin(big).float()  # the CPU emulation: the activation quantized too
+    exact = small.float() @ lin.dequantized().t()  # a decode batch runs weight-only: the activation as it is
+    lin = lin.to("cuda")
     assert lin.weight_e4m3.dtype == torch.float8_e4m3fn  # the GPU keeps FP8 bytes
+    got = lin(big.cuda()).float().cpu()
     assert float((got - ref).abs().max() / ref.abs().max()) < 1e-2
+    got = lin(small.cuda()).float().cpu()
+    assert float((got - exact).abs().max() / exact.abs().max()) < 1e-2
 
 
 def test_engine_on_cuda_agrees_with_the_cpu_engine(tiny_models):

@@ -1,15 +1,19 @@
 """Quantized GEMMs on a GPU: int8 weight-only through a fused dequantising Triton kernel, FP8 through
 `torch._scaled_mm`. Both read the quantized bytes (half of bf16) instead of widening the weight.
 
-- `w8a16_linear(x, w_int8, scale)`: y = (x @ w^T) * scale, int8 weights dequantised in registers,
-  fp32 accumulation. Small batches (decode) have few output tiles, so the K loop is split over
-  `split` programs whose fp32 partial sums land in a workspace and are added in a fixed order
-  (deterministic, unlike atomics).
+- `weight_only_linear(x, w_8bit, scale)`: y = (x @ w^T) * scale, int8 or FP8 e4m3 weights widened in
+  registers, fp32 accumulation, the activation untouched. Small batches (decode) have few output
+  tiles, so the K loop is split over `split` programs whose fp32 partial sums land in a workspace and
+  are added in a fixed order by a second kernel that also scales and casts (deterministic, unlike
+  atomics); without a split, scale, bias and cast happen in the GEMM's kernel: one launch a linear.
+  int8 weight-only runs here at every batch; FP8 at decode batches (FP8_WEIGHT_ONLY_MAX_ROWS), where
+  quantizing the activation would cost more launches than the GEMM saves.
 - `fp8_linear(x, w_fp8, w_scale, x_scale)`: per-tensor FP8 e4m3 as TensorRT-LLM runs ModelOpt's
   FP8 checkpoints: x quantised with the calibrated input scale, one FP8 tensor-core GEMM with both
   scales, bf16 out. Needs SM >= 8.9.
 
-Imported only on CUDA (Triton is a GPU dependency); `available()` says whether each can run.
+Imported lazily; `available()` says whether each can run on CUDA. The tests run the Triton kernels on
+a CPU under Triton's interpreter.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from typing import Optional
 import torch
 
 FP8_MAX = 448.0
+# FP8 weights run weight-only up to this many rows a GEMM (decode batches), `_scaled_mm` above
+FP8_WEIGHT_ONLY_MAX_ROWS = int(os.environ.get("FP8_WEIGHT_ONLY_MAX_ROWS", "16"))
 
 
 @functools.lru_cache(maxsize=None)
@@ -40,28 +46,56 @@ def available() -> dict[str, bool]:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel():
+def _kernels():
     import triton
     import triton.language as tl
 
     @triton.jit
-    def w8a16(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
+    def w8_gemm(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, M, N, stride_xm, stride_wn, K: tl.constexpr,
+                STEPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                SPLIT: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr):
         pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT):
-            rk = k0 + tl.arange(0, BLOCK_K)
+        for i in range(0, STEPS):  # a fixed trip count (K is per layer): this split's K blocks
+            rk = (i * SPLIT + pid_k) * BLOCK_K + tl.arange(0, BLOCK_K)
             x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K),
                         other=0.0)
             w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K),
-                        other=0)
+                        other=0.0)
             acc += tl.dot(x, tl.trans(w.to(x.dtype)))
-        out = out_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :]
-        tl.store(out, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        if SPLIT == 1:  # scale, bias and the cast in the same kernel: one launch a linear
+            if PER_CHANNEL:
+                acc = acc * tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+            else:
+                acc = acc * tl.load(s_ptr).to(tl.float32)
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+            tl.store(out_ptr + rm[:, None] * N + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(part_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :], acc, mask=mask)
 
-    return w8a16
+    @triton.jit
+    def reduce_splits(part_ptr, s_ptr, b_ptr, out_ptr, M, N, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
+                      PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr):
+        """out = sum of the split partials (in split order: deterministic) * scale + bias, cast."""
+        idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        live = idx < M * N
+        n = idx % N
+        acc = tl.zeros((BLOCK,), tl.float32)
+        for s in range(0, SPLIT):
+            acc += tl.load(part_ptr + s * M * N + idx, mask=live, other=0.0)
+        if PER_CHANNEL:
+            acc = acc * tl.load(s_ptr + n, mask=live, other=0.0).to(tl.float32)
+        else:
+            acc = acc * tl.load(s_ptr).to(tl.float32)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + n, mask=live, other=0.0).to(tl.float32)
+        tl.store(out_ptr + idx, acc.to(out_ptr.dtype.element_ty), mask=live)
+
+    return w8_gemm, reduce_splits
 
 
 def _split(m_tiles: int, n_tiles: int, k_blocks: int, sms: int) -> int:
@@ -77,25 +111,46 @@ def _split(m_tiles: int, n_tiles: int, k_blocks: int, sms: int) -> int:
 CONFIG = tuple(int(v) for v in os.environ.get("W8A16_CONFIG", "64,256,8,3").split(","))
 
 
-def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                 config: Optional[tuple[int, int, int, int]] = None, split: Optional[int] = None) -> torch.Tensor:
-    """x [..., K] (bf16/fp16) @ int8 weight [N, K] * per-channel scale [N] (+ bias) -> [..., N]."""
+def weight_only_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                       bias: Optional[torch.Tensor] = None, config: Optional[tuple[int, int, int, int]] = None,
+                       split: Optional[int] = None, sms: Optional[int] = None) -> torch.Tensor:
+    """x [..., K] (bf16/fp16) @ 8-bit weight [N, K] (int8, or FP8 e4m3) * scale (+ bias) -> [..., N] in
+    x's dtype. `scale`: per output channel [N], or one value (FP8's per-tensor scale). The weight is
+    widened in registers (both 8-bit formats are exact in bf16), fp32 accumulation; the activation
+    stays as it is. `split` programs share each K loop (default: enough to fill `sms` multiprocessors
+    twice); their partials are added in a fixed order (deterministic, unlike atomics)."""
     shape = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     m, k = x2.shape
     n = weight.shape[0]
-    block_m = 16 if m <= 16 else 32
+    if weight.shape[1] != k or weight.stride(1) != 1:
+        raise ValueError(f"weight_only_linear: weight {tuple(weight.shape)} does not take inputs of {k} features")
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     block_n, block_k, warps, stages = config or CONFIG
-    m_tiles, n_tiles = -(-m // block_m), -(-n // block_n)
-    split = split or _split(m_tiles, n_tiles, -(-k // block_k), _sm_count(x.device.index or 0))
-    partial = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-    _kernel()[(n_tiles, m_tiles, split)](x2, weight, partial, m, n, k, x2.stride(0), weight.stride(0),
-                                         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split,
-                                         num_warps=warps, num_stages=stages)
-    y = (partial.sum(0) if split > 1 else partial[0]) * scale.float()
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype).reshape(*shape, n)
+    m_tiles, n_tiles, k_blocks = -(-m // block_m), -(-n // block_n), -(-k // block_k)
+    if split is None:
+        sms = sms or (_sm_count(x.device.index or 0) if x.is_cuda else 8)
+        split = _split(m_tiles, n_tiles, k_blocks, sms)
+    per_channel = scale.numel() != 1
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    b = bias if bias is not None else out  # an unused pointer without a bias
+    gemm, reduce = _kernels()
+    gemm[(n_tiles, m_tiles, split)](x2, weight, scale, b, out, part, m, n, x2.stride(0), weight.stride(0), K=k,
+                                    STEPS=-(-k_blocks // split), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                                    SPLIT=split, PER_CHANNEL=per_channel, HAS_BIAS=bias is not None,
+                                    num_warps=warps, num_stages=stages)
+    if split > 1:
+        block = 1024
+        reduce[(-(-(m * n) // block),)](part, scale, b, out, m, n, SPLIT=split, BLOCK=block, PER_CHANNEL=per_channel,
+                                        HAS_BIAS=bias is not None)
+    return out.reshape(*shape, n)
+
+
+def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                 config: Optional[tuple[int, int, int, int]] = None, split: Optional[int] = None) -> torch.Tensor:
+    """int8 weight-only with per-channel scales (the name the benchmarks and tests use)."""
+    return weight_only_linear(x, weight, scale, bias, config, split)
 
 
 def fp8_linear(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tensor,

@@ -56,8 +56,11 @@ class Int8WeightOnlyLinear(torch.nn.Module):
 class Fp8Linear(torch.nn.Module):
     """FP8 (e4m3) weights and activations with per-tensor scales, as TensorRT-LLM runs FP8.
 
-    On a GPU with FP8 tensor cores (SM >= 8.9) the weight is kept as e4m3 (half of bf16) and the
-    GEMM is one `torch._scaled_mm` (`gpu_kernels.fp8_linear`). CPUs have no fast FP8 GEMM, so there
+    On a GPU with FP8 tensor cores (SM >= 8.9) the weight is kept as e4m3 (half of bf16); a decode
+    batch (up to FP8_WEIGHT_ONLY_MAX_ROWS rows) runs it weight-only (`gpu_kernels.weight_only_linear`:
+    the activation is not quantized, so it is closer to bf16 than the priced FP8, and costs one launch),
+    larger batches run one `torch._scaled_mm` with the activation quantized (`gpu_kernels.fp8_linear`).
+    CPUs have no fast FP8 GEMM, so there
     it is emulated exactly: inputs are quantized to e4m3 with the calibrated `input_scale`, the e4m3
     values of both operands are held in bf16 (which represents every e4m3 value exactly), multiplied
     with fp32 accumulation, and the product of the two scales is applied to the result. Numerics
@@ -88,8 +91,10 @@ class Fp8Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_e4m3.dtype == torch.float8_e4m3fn:
-            from server.embedded.gpu_kernels import fp8_linear
+            from server.embedded.gpu_kernels import FP8_WEIGHT_ONLY_MAX_ROWS, fp8_linear, weight_only_linear
 
+            if x.numel() // self.in_features <= FP8_WEIGHT_ONLY_MAX_ROWS:  # decode: the activation stays bf16
+                return weight_only_linear(x.to(self.dtype), self.weight_e4m3, self.weight_scale, self.bias)
             return fp8_linear(x, self.weight_e4m3, self.weight_scale, self.input_scale, self.bias, self.dtype)
         scale = self.weight_scale
         if self.input_scale is not None:

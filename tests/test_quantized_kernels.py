@@ -1,0 +1,53 @@
+"""The 8-bit weight-only GEMM (server/embedded/gpu_kernels.py) against the dequantized product: int8
+with per-channel scales and FP8 e4m3 with one scale, with and without bias, one program per K loop and
+split K loops (reduced by the second kernel). On CUDA in bf16; on a CPU under Triton's interpreter
+(conftest.py), in fp16. Skipped without either."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+pytestmark = pytest.mark.skipif(not (CUDA or importlib.util.find_spec("triton")),
+                                reason="needs CUDA or Triton's interpreter")
+DEVICE, DTYPE = ("cuda", torch.bfloat16) if CUDA else ("cpu", torch.float16)
+
+
+def _weights(fmt: str, n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(8-bit weight, its scale, the dequantized weight in float32)."""
+    if fmt == "int8":
+        w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+        s = torch.rand(n, generator=g) * 0.01 + 1e-3
+        return w, s.to(DTYPE), w.float() * s.to(DTYPE).float()[:, None]
+    w = (torch.randn(n, k, generator=g) * 40).clamp(-448, 448).to(torch.float8_e4m3fn)
+    s = torch.tensor(0.004)
+    return w, s, w.float() * s
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("m,n,k,split,bias", [(1, 96, 128, 1, False), (3, 100, 72, 1, True), (5, 64, 512, 4, True),
+                                               (17, 40, 300, 2, False)])
+def test_weight_only_linear_matches_the_dequantized_product(fmt, m, n, k, split, bias):
+    from server.embedded.gpu_kernels import weight_only_linear
+
+    g = torch.Generator().manual_seed(m * 7 + n + k)
+    w, s, wf = _weights(fmt, n, k, g)
+    x = torch.randn(m, k, generator=g).to(DTYPE)
+    b = (torch.randn(n, generator=g) * 0.1).to(DTYPE) if bias else None
+    ref = x.float() @ wf.t() + (b.float() if bias else 0)
+    got = weight_only_linear(x.to(DEVICE), w.to(DEVICE), s.to(DEVICE), None if b is None else b.to(DEVICE),
+                             config=(32, 64, 4, 2), split=split)
+    assert got.dtype == DTYPE and got.shape == (m, n)
+    rel = float((got.float().cpu() - ref).abs().max() / ref.abs().max())
+    assert rel < 1e-2, rel
+
+
+def test_a_weight_of_the_wrong_width_is_named():
+    from server.embedded.gpu_kernels import weight_only_linear
+
+    with pytest.raises(ValueError, match="inputs of 16 features"):
+        weight_only_linear(torch.zeros(2, 16, dtype=DTYPE), torch.zeros(8, 32, dtype=torch.int8),
+                           torch.ones(8, dtype=DTYPE))
