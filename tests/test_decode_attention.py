@@ -81,3 +81,32 @@ def test_split_kv_attention_matches_the_reference(case):
     tol = 2e-2 if dtype == torch.bfloat16 else 3e-3
     assert (out.float() - ref).abs().max().item() < tol
 
+
+
+@pytest.mark.skipif(not (CUDA or HAS_TRITON), reason="needs CUDA or Triton's interpreter")
+@pytest.mark.parametrize("fp8", [False, True])
+def test_write_kv_writes_what_indexing_writes(fp8):
+    from server.embedded.decode_attention import write_kv
+
+    if fp8 and not CUDA:  # seen with Triton 3.6: float32 125.6 -> e4m3 64 in the interpreter (128 on a GPU)
+        pytest.skip("Triton's interpreter rounds float32 -> e4m3 wrongly where rounding carries into the exponent")
+    dtype, device = (torch.bfloat16, "cuda") if CUDA else (torch.float16, "cpu")
+    g = torch.Generator().manual_seed(5)
+    k = (torch.randn(6, 3, 32, generator=g) * torch.logspace(-2, 2, 6).view(6, 1, 1)).to(device, dtype)
+    v = torch.randn(6, 3, 32, generator=g).to(device, dtype)
+    rows = torch.tensor([[0, 0], [2, 2], [3, 3]]).to(device)  # 3 rows x 2 tokens, as a verify writes them
+    pos = torch.tensor([[4, 5], [0, 1], [9, 10]]).to(device)
+    cache_dtype = torch.float8_e4m3fn if fp8 else dtype
+    caches = [torch.zeros(4, 3, 16, 32, dtype=cache_dtype, device=device) for _ in range(4)]
+    scales = [torch.zeros(4, 3, 16, device=device) for _ in range(4)] if fp8 else [None] * 4
+    index = (rows.reshape(-1), slice(None), pos.reshape(-1))
+    if fp8:
+        (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
+        caches[0][index], scales[0][index], caches[1][index], scales[1][index] = kq, ks, vq, vs
+    else:
+        caches[0][index], caches[1][index] = k, v
+    write_kv(k, v, caches[2], caches[3], rows, pos, scales[2], scales[3])
+    assert torch.equal(caches[0].float(), caches[2].float()) and torch.equal(caches[1].float(), caches[3].float())
+    if fp8:
+        torch.testing.assert_close(scales[2], scales[0], rtol=1e-6, atol=0)
+        torch.testing.assert_close(scales[3], scales[1], rtol=1e-6, atol=0)

@@ -136,7 +136,29 @@ def _kernels():
         tl.store(out_ptr + b * stride_ob + tok[:, None] * stride_ot + (h * G + grp)[:, None] * stride_oh + dd[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=live[:, None])
 
-    return split_kv, combine
+    @triton.jit
+    def write_kv(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, rows_ptr, pos_ptr, stride_kt, stride_kh, stride_vt,
+                 stride_vh, stride_cs, stride_ch, stride_cp, stride_ss, stride_sh, NKV: tl.constexpr, D: tl.constexpr,
+                 FP8: tl.constexpr):
+        tok, h = tl.program_id(0) // NKV, tl.program_id(0) % NKV
+        slot = tl.load(rows_ptr + tok).to(tl.int64)
+        p = tl.load(pos_ptr + tok).to(tl.int64)
+        dd = tl.arange(0, D)
+        k = tl.load(k_ptr + tok * stride_kt + h * stride_kh + dd).to(tl.float32)
+        v = tl.load(v_ptr + tok * stride_vt + h * stride_vh + dd).to(tl.float32)
+        at = slot * stride_cs + h * stride_ch + p * stride_cp + dd
+        if FP8:
+            ks = tl.maximum(tl.max(tl.abs(k), 0) / 448.0, 1e-12)
+            vs = tl.maximum(tl.max(tl.abs(v), 0) / 448.0, 1e-12)
+            tl.store(kc_ptr + at, (k / ks).to(kc_ptr.dtype.element_ty))
+            tl.store(vc_ptr + at, (v / vs).to(vc_ptr.dtype.element_ty))
+            tl.store(ks_ptr + slot * stride_ss + h * stride_sh + p, ks)
+            tl.store(vs_ptr + slot * stride_ss + h * stride_sh + p, vs)
+        else:
+            tl.store(kc_ptr + at, k.to(kc_ptr.dtype.element_ty))
+            tl.store(vc_ptr + at, v.to(vc_ptr.dtype.element_ty))
+
+    return split_kv, combine, write_kv
 
 
 BLOCK_N = 64
@@ -179,7 +201,7 @@ def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: 
     out = torch.empty_like(q)
     ks = k_scale if fp8 else part_ml  # an unused pointer when the cache is not FP8
     vs = v_scale if fp8 else part_ml
-    split_kernel, combine_kernel = _kernels()
+    split_kernel, combine_kernel, _ = _kernels()
     split_kernel[(b * nkv, splits)](
         q, k, v, ks, vs, rows, pos, part_o, part_ml, scale, rows.stride(0),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -188,3 +210,20 @@ def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: 
     combine_kernel[(b * nkv,)](part_o, part_ml, out, out.stride(0), out.stride(1), out.stride(2),
                                NKV=nkv, T=t, G=g, D=d, BLOCK_M=block_m, SPLITS=splits)
     return out
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
+             pos: torch.Tensor, k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None) -> None:
+    """cache[rows[i], :, pos[i]] := k[i], v[i] for the N new tokens (k, v [N, nkv, d]; rows, pos [N] or any
+    shape of N), quantized with their scales for an FP8 cache (`quantize_kv`'s numbers): one launch for
+    what indexing does in two (bf16) or fourteen (FP8) kernels."""
+    n, nkv, d = k.shape
+    rows, pos = rows.reshape(-1), pos.reshape(-1)
+    if rows.numel() != n or pos.numel() != n or k.stride(-1) != 1 or v.stride(-1) != 1 or v.shape != k.shape:
+        raise ValueError("write_kv: k and v [N, kv_heads, head_dim] with a contiguous head_dim, N rows and positions")
+    fp8 = k_scale is not None
+    ks, vs = (k_scale, v_scale) if fp8 else (k_cache, v_cache)  # unused pointers for a model-dtype cache
+    _kernels()[2][(n * nkv,)](k, v, k_cache, v_cache, ks, vs, rows.contiguous(), pos.contiguous(),
+                              k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0),
+                              k_cache.stride(1), k_cache.stride(2),
+                              ks.stride(0) if fp8 else 0, ks.stride(1) if fp8 else 0, NKV=nkv, D=d, FP8=fp8)

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from server.embedded.base_runner import BaseRunner, Draft
-from server.embedded.decode_attention import split_kv_attention
+from server.embedded.decode_attention import split_kv_attention, write_kv
 from server.embedded.qlinear import Int8WeightOnlyLinear
 
 ATTENTION_ENV = "EMBEDDED_ATTENTION"  # rows|gqa|split: the decode attention's form, for side-by-side measurements
@@ -226,14 +226,18 @@ class GraphRunner(BaseRunner):
         h = self.inner.embed_tokens(ids.reshape(-1))
         cos, sin = self.cos[pos.reshape(-1)], self.sin[pos.reshape(-1)]
         g, nq, nkv, d = self.group, self.num_heads, self.num_kv_heads, self.head_dim
-        form = self.attention
+        form, cuda = self.attention, ids.is_cuda
         if form != "split":  # the kernel masks by pos itself
             mask = (torch.arange(ctx, device=ids.device).view(1, 1, ctx) <= pos.unsqueeze(-1))  # [B, T, ctx]
             # gqa: [B, 1, T, ctx] over the query heads; rows: query rows (token, group head) per KV head
             mask = mask.unsqueeze(1) if form == "gqa" else mask.repeat_interleave(g, 1).unsqueeze(1)
         for i, layer in enumerate(self.layers):
             q, k, v = layer.pre(h, cos, sin, nq, nkv, d)
-            self._kv_put(i, (write_rows, slice(None), pos), k.view(b, t, nkv, d), v.view(b, t, nkv, d))
+            if cuda:  # one launch for both caches (and FP8's quantization)
+                write_kv(k.view(b * t, nkv, d), v.view(b * t, nkv, d), self.k[i], self.v[i], write_rows, pos,
+                         self.k_scale[i] if self.kv_fp8 else None, self.v_scale[i] if self.kv_fp8 else None)
+            else:
+                self._kv_put(i, (write_rows, slice(None), pos), k.view(b, t, nkv, d), v.view(b, t, nkv, d))
             if form == "split":  # reads the cache in place (FP8 included); the rows' slots are write_rows
                 o = split_kv_attention(q.view(b, t, nq, d), self.k[i], self.v[i], write_rows, pos, ctx, self.scale,
                                        self.k_scale[i] if self.kv_fp8 else None,
