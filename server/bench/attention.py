@@ -86,20 +86,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not torch.cuda.is_available():
         print("bench.attention: no CUDA device here", file=sys.stderr)
         return 2
-    from server.bench.gpu import copy_bandwidth
+    from server.bench.gpu import copy_bandwidth, gpu_environment
     from server.embedded.decode_attention import quantize_kv, reference_attention
 
     dev = torch.device("cuda")
     bandwidth = copy_bandwidth(dev)
     print(f"[bench.attention] copy bandwidth {bandwidth / 1e12:.2f} TB/s", file=sys.stderr)
-    meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "copy_bandwidth_tb_s": round(bandwidth / 1e12, 2)}
-    try:
-        import triton
-
-        meta["triton"] = triton.__version__
-    except ImportError:
-        pass
+    meta = {**gpu_environment(), "copy_bandwidth_tb_s": round(bandwidth / 1e12, 2)}
     results: list[dict] = []
     for shape in args.shapes.split(","):
         nq, nkv, d = HEADS[shape]

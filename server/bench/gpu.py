@@ -60,6 +60,18 @@ def copy_bandwidth(dev: torch.device, gib: float = 4.0) -> float:
     return 2 * n * 2 / statistics.median(times)
 
 
+def gpu_environment() -> dict[str, Any]:
+    """What a committed GPU figure names: the date, the GPU, and torch's and Triton's versions."""
+    meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    try:
+        import triton
+
+        meta["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return meta
+
+
 def quantize_linears(model: Any, fmt: str) -> None:
     """Replace the decoder's linears as ModelOpt's exports would be served (per-channel int8, or
     per-tensor FP8 with a calibrated-like input scale)."""

@@ -16,7 +16,6 @@ import argparse
 import itertools
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -39,6 +38,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("bench.kernels: no CUDA device here", file=sys.stderr)
         return 2
     from server.bench.attention import time_graph
+    from server.bench.gpu import gpu_environment
     from server.embedded import gpu_kernels as gk
 
     rows, totals = [], {c: 0.0 for c in GRID}
@@ -73,8 +73,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 row.update({"int8_wo_best_us": round(min(per.values()), 1), "int8_wo_best_config": min(per, key=per.get)})
             rows.append(row)
             print(json.dumps(row), flush=True)
-    meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "config_in_use": gk.CONFIG}
+    meta = {**gpu_environment(), "config_in_use": gk.CONFIG}
     if args.tune:
         meta["best_config"] = min(totals, key=totals.get)
         print(f"[bench.kernels] best configuration over all shapes: {meta['best_config']} (in use: {gk.CONFIG})",
