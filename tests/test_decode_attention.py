@@ -38,6 +38,7 @@ def test_plan_splits_covers_the_context_with_whole_blocks():
     for b, nkv, ctx, programs in [(1, 2, 8192, 264), (16, 8, 512, 264), (1, 8, 100, 264), (4, 4, 16384, 8)]:
         chunk, splits = plan_splits(b, nkv, ctx, programs)
         assert chunk % 64 == 0 and chunk * splits >= ctx and chunk * (splits - 1) < ctx
+        assert chunk >= min(256, ctx)  # no chunk so short that combining costs more than it saves
 
 
 def _case(b: int, t: int, nq: int, nkv: int, d: int, slots: int, positions: int, ctx: int, fp8: bool,
@@ -62,7 +63,8 @@ CASES = [  # b, t, nq, nkv, d, slots, positions, ctx, fp8, programs
     (3, 2, 6, 2, 32, 5, 300, 260, False, 4),     # verify rows, keys read short of the cache's end
     (2, 4, 12, 2, 16, 4, 128, 128, True, 16),    # FP8 cache, group 6 x 4 tokens = 24 rows
     (2, 1, 4, 4, 16, 4, 64, 64, True, 1),        # no grouping, one split
-    (2, 1, 8, 1, 32, 3, 512, 512, False, 64),    # many splits, most past the short row's end
+    (2, 1, 8, 1, 32, 3, 512, 512, False, 64),    # two splits, the second past the short row's end
+    (1, 2, 4, 2, 16, 2, 1100, 1100, True, 64),   # five splits, the last one partial
 ]
 
 

@@ -246,7 +246,7 @@ def measure(shape: str, fmt: str, batches: list[int], contexts: list[int], dev: 
                 step = runner_decode(runner, vocab, b, context, steps)
                 bytes_step = wbytes + b * (context + steps // 2) * kv_bytes[kv]
                 bound = b / (bytes_step / bandwidth)
-                kv_rows.append({"shape": shape, "format": fmt, "kv_cache": kv, "attention": runner.attention,
+                kv_rows.append({"shape": shape, "format": fmt, "kv_cache": kv, "attention": runner.attention_form(1, context),
                                 "batch": b, "context": context, "compile": compile,
                                 "runner_tok_s": round(b / step, 1), "runner_step_ms": round(step * 1e3, 3),
                                 "bound_tok_s": round(bound, 1), "runner_fraction_of_bound": round(b / step / bound, 3),

@@ -162,27 +162,31 @@ def _kernels():
 
 
 BLOCK_N = 64
+# keys a program reads at least: below it the combine's serial pass over the chunks costs more than the
+# parallel reads save (H200, bench/attention-h200.json: 64-key chunks at 1.5B shape, batch 1, 8k keys,
+# spent 35 us where SDPA took 14)
+MIN_CHUNK = 256
 
 
 def plan_splits(batch: int, kv_heads: int, ctx: int, programs: int) -> tuple[int, int]:
     """(chunk, splits): keys per program and programs per (row, KV head), so that about `programs`
-    programs run (two waves of the GPU's multiprocessors) and each reads at least BLOCK_N keys."""
+    programs run (one per multiprocessor) and each reads at least MIN_CHUNK keys (a short context: all)."""
     want = max(1, -(-programs // (batch * kv_heads)))
-    chunk = max(BLOCK_N, -(-ctx // want))
+    chunk = max(min(MIN_CHUNK, ctx), -(-ctx // want))
     chunk = -(-chunk // BLOCK_N) * BLOCK_N
     return chunk, -(-ctx // chunk)
 
 
 @functools.lru_cache(maxsize=None)
 def _programs(device: int) -> int:
-    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor,
                        ctx: int, scale: float, k_scale: Optional[torch.Tensor] = None,
                        v_scale: Optional[torch.Tensor] = None, programs: Optional[int] = None) -> torch.Tensor:
     """`reference_attention`'s contract, as two Triton launches. `ctx` bounds the keys read (the CUDA
-    graph's context bucket); rows whose `pos` is shorter stop early. `programs` (default: two per
+    graph's context bucket); rows whose `pos` is shorter stop early. `programs` (default: one per
     multiprocessor on CUDA) sets how finely the keys are split."""
     b, t, nq, d = q.shape
     nkv = k.shape[1]

@@ -6,8 +6,8 @@
   tiles, so the K loop is split over `split` programs whose fp32 partial sums land in a workspace and
   are added in a fixed order by a second kernel that also scales and casts (deterministic, unlike
   atomics); without a split, scale, bias and cast happen in the GEMM's kernel: one launch a linear.
-  int8 weight-only runs here at every batch; FP8 at decode batches (FP8_WEIGHT_ONLY_MAX_ROWS), where
-  quantizing the activation would cost more launches than the GEMM saves.
+  int8 weight-only runs here at every batch; FP8 can (FP8_WEIGHT_ONLY_MAX_ROWS), but measured slower
+  than `_scaled_mm` on the H200, so it is off by default.
 - `fp8_linear(x, w_fp8, w_scale, x_scale)`: per-tensor FP8 e4m3 as TensorRT-LLM runs ModelOpt's
   FP8 checkpoints: x quantised with the calibrated input scale, one FP8 tensor-core GEMM with both
   scales, bf16 out. Needs SM >= 8.9.
@@ -25,8 +25,11 @@ from typing import Optional
 import torch
 
 FP8_MAX = 448.0
-# FP8 weights run weight-only up to this many rows a GEMM (decode batches), `_scaled_mm` above
-FP8_WEIGHT_ONLY_MAX_ROWS = int(os.environ.get("FP8_WEIGHT_ONLY_MAX_ROWS", "16"))
+# FP8 weights run weight-only up to this many rows a GEMM, `_scaled_mm` above. 0: measured on the H200
+# (bench/kernels-h200.json), `_scaled_mm` with the activation quantized is faster at 14B shapes at every
+# batch (1.45x bf16 over a layer's four linears, weight-only 1.22x: widening e4m3 in registers costs more
+# than quantizing the activation); weight-only wins only on 1.5B's small linears, where bf16 wins anyway
+FP8_WEIGHT_ONLY_MAX_ROWS = int(os.environ.get("FP8_WEIGHT_ONLY_MAX_ROWS", "0"))
 
 
 @functools.lru_cache(maxsize=None)

@@ -10,7 +10,8 @@ small model (gpt-fast's lesson):
 - **Fused projections**: q/k/v and gate/up are concatenated into one GEMM each (bf16 weights, and
   int8 weight-only with per-channel scales, where concatenating is exact); FP8 layers keep their
   per-tensor scales and run as they are.
-- **Decode attention without GQA expansion**, in one of three forms (`attention`): `rows`, the `group`
+- **Decode attention without GQA expansion**, in one of three forms (`attention`; `auto` picks per
+  step shape from measurements, `attention_form`): `rows`, the `group`
   query heads of one KV head laid out as `group` query rows of one SDPA over that head's keys (the
   CPU runner's logits bit for bit); `gqa`, SDPA's grouped-query form; `split`, the split-KV Triton
   kernel (decode_attention.py), which reads the cache in place, bf16 or FP8, and spreads long
@@ -40,7 +41,12 @@ from server.embedded.decode_attention import split_kv_attention, write_kv
 from server.embedded.qlinear import Int8WeightOnlyLinear
 
 ATTENTION_ENV = "EMBEDDED_ATTENTION"  # rows|gqa|split: the decode attention's form, for side-by-side measurements
-ATTENTION_FORMS = ("rows", "gqa", "split")
+ATTENTION_FORMS = ("auto", "rows", "gqa", "split")
+# `auto` on CUDA, from bench/attention-h200.json (one layer, CUDA-graph replays): the split-KV kernel for
+# verify steps (1+3 tokens at 8k keys: 27-64 us against SDPA's 169-180), for FP8 caches (only it reads
+# them) and for short contexts (512 keys: 6-8 us against SDPA gqa's 13); SDPA's grouped-query form for
+# single-token decode over longer contexts (8k keys, batch 1: 14-17 us against 19-35)
+AUTO_SPLIT_MAX_CONTEXT = 1024
 
 MIN_CONTEXT_BUCKET = 256
 
@@ -183,19 +189,21 @@ class GraphRunner(BaseRunner):
     def __init__(self, model: Any, num_slots: int, max_seq_len: int, graphs: Optional[bool] = None,
                  compile: bool = False, fuse: Optional[bool] = None, attention: Optional[str] = None,
                  kv_cache_dtype: str = "auto"):
-        """`attention`: the decode/verify attention's form (module docstring): rows, gqa or split.
-        Default: split for an FP8 cache on CUDA, else rows (the others are not yet measured on a GPU;
-        issue 31); EMBEDDED_ATTENTION overrides it (for side-by-side measurements)."""
+        """`attention`: the decode/verify attention's form (module docstring): rows, gqa, split, or auto
+        (the default): on CUDA the faster measured form for each step shape (`attention_form`), on a
+        CPU rows. EMBEDDED_ATTENTION overrides it (for side-by-side measurements)."""
         super().__init__(model, num_slots, max_seq_len, kv_cache_dtype)
         cfg = model.config
         cuda = self.device.type == "cuda"
         self.graphs = cuda if graphs is None else graphs
-        attention = attention or os.environ.get(ATTENTION_ENV) or ("split" if cuda and self.kv_fp8 else "rows")
+        attention = attention or os.environ.get(ATTENTION_ENV) or "auto"
         if attention not in ATTENTION_FORMS:
             raise ValueError(f"GraphRunner: attention must be one of {ATTENTION_FORMS} (got {attention!r}; "
                              f"{ATTENTION_ENV})")
         if attention == "split" and not cuda:
             raise ValueError(f"GraphRunner: attention 'split' is a CUDA kernel; on {self.device} use rows or gqa")
+        if attention == "auto" and not cuda:
+            attention = "rows"  # the CPU runner's logits bit for bit
         self.attention = attention
         self.group = self.num_heads // self.num_kv_heads
         self.capacity = max_seq_len  # static: the scheduler never asks for more
@@ -217,6 +225,15 @@ class GraphRunner(BaseRunner):
         self._graphs: dict[tuple[int, int, int, bool], tuple[Any, dict[str, torch.Tensor]]] = {}
         self._pool: Any = None
 
+    def attention_form(self, tokens: int, ctx: int) -> str:
+        """The form a step of `tokens` tokens a row over `ctx` keys runs (`auto` decided per step shape,
+        so per captured graph)."""
+        if self.attention != "auto":
+            return self.attention
+        if self.kv_fp8 or tokens > 1 or ctx <= AUTO_SPLIT_MAX_CONTEXT:
+            return "split"
+        return "gqa"
+
     # ---- forward pieces
     def _rows_step(self, ids: torch.Tensor, pos: torch.Tensor, write_rows: torch.Tensor, ctx: int
                    ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -226,7 +243,7 @@ class GraphRunner(BaseRunner):
         h = self.inner.embed_tokens(ids.reshape(-1))
         cos, sin = self.cos[pos.reshape(-1)], self.sin[pos.reshape(-1)]
         g, nq, nkv, d = self.group, self.num_heads, self.num_kv_heads, self.head_dim
-        form, cuda = self.attention, ids.is_cuda
+        form, cuda = self.attention_form(t, ctx), ids.is_cuda
         if form != "split":  # the kernel masks by pos itself
             mask = (torch.arange(ctx, device=ids.device).view(1, 1, ctx) <= pos.unsqueeze(-1))  # [B, T, ctx]
             # gqa: [B, 1, T, ctx] over the query heads; rows: query rows (token, group head) per KV head

@@ -56,10 +56,10 @@ class Int8WeightOnlyLinear(torch.nn.Module):
 class Fp8Linear(torch.nn.Module):
     """FP8 (e4m3) weights and activations with per-tensor scales, as TensorRT-LLM runs FP8.
 
-    On a GPU with FP8 tensor cores (SM >= 8.9) the weight is kept as e4m3 (half of bf16); a decode
-    batch (up to FP8_WEIGHT_ONLY_MAX_ROWS rows) runs it weight-only (`gpu_kernels.weight_only_linear`:
-    the activation is not quantized, so it is closer to bf16 than the priced FP8, and costs one launch),
-    larger batches run one `torch._scaled_mm` with the activation quantized (`gpu_kernels.fp8_linear`).
+    On a GPU with FP8 tensor cores (SM >= 8.9) the weight is kept as e4m3 (half of bf16) and the GEMM
+    is one `torch._scaled_mm` with the activation quantized (`gpu_kernels.fp8_linear`); batches of up
+    to FP8_WEIGHT_ONLY_MAX_ROWS rows (default 0: measured slower) run weight-only instead
+    (`gpu_kernels.weight_only_linear`, the activation not quantized).
     CPUs have no fast FP8 GEMM, so there
     it is emulated exactly: inputs are quantized to e4m3 with the calibrated `input_scale`, the e4m3
     values of both operands are held in bf16 (which represents every e4m3 value exactly), multiplied
