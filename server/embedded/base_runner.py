@@ -21,7 +21,7 @@ refused at load with the model type named.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -71,6 +71,10 @@ class BaseRunner(ABC):
     def _caches(self) -> tuple[torch.Tensor, ...]:
         """Every per-slot tensor of the cache: K, V and (FP8) their scales, slot and position first."""
         return (*self.k, *self.v, *self.k_scale, *self.v_scale)
+
+    def _scales(self, i: int) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """Layer i's K and V scales (FP8 caches), or (None, None): what the CUDA kernels take."""
+        return (self.k_scale[i], self.v_scale[i]) if self.kv_fp8 else (None, None)
 
     def _kv_put(self, i: int, index: tuple[Any, ...], k: torch.Tensor, v: torch.Tensor) -> None:
         """Layer i's cache[index] := k, v (index over slot, head, position; k and v end in head_dim)."""

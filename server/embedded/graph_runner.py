@@ -252,13 +252,12 @@ class GraphRunner(BaseRunner):
             q, k, v = layer.pre(h, cos, sin, nq, nkv, d)
             if cuda:  # one launch for both caches (and FP8's quantization)
                 write_kv(k.view(b * t, nkv, d), v.view(b * t, nkv, d), self.k[i], self.v[i], write_rows, pos,
-                         self.k_scale[i] if self.kv_fp8 else None, self.v_scale[i] if self.kv_fp8 else None)
+                         *self._scales(i))
             else:
                 self._kv_put(i, (write_rows, slice(None), pos), k.view(b, t, nkv, d), v.view(b, t, nkv, d))
             if form == "split":  # reads the cache in place (FP8 included); the rows' slots are write_rows
                 o = split_kv_attention(q.view(b, t, nq, d), self.k[i], self.v[i], write_rows, pos, ctx, self.scale,
-                                       self.k_scale[i] if self.kv_fp8 else None,
-                                       self.v_scale[i] if self.kv_fp8 else None).view(b * t, nq * d)
+                                       *self._scales(i)).view(b * t, nq * d)
                 h = layer.post(h, o)
                 continue
             keys, values = self._kv_read(i, (slice(None, b), slice(None), slice(None, ctx)))
