@@ -12,7 +12,14 @@ import importlib.util
 import pytest
 import torch
 
-from server.embedded.decode_attention import FP8_MAX, dequantize_kv, plan_splits, quantize_kv, reference_attention
+from server.embedded.decode_attention import (
+    FP8_MAX,
+    MAX_SPLITS,
+    dequantize_kv,
+    plan_splits,
+    quantize_kv,
+    reference_attention,
+)
 
 CUDA = torch.cuda.is_available()
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -38,7 +45,8 @@ def test_plan_splits_covers_the_context_with_whole_blocks():
     for b, nkv, ctx, programs in [(1, 2, 8192, 264), (16, 8, 512, 264), (1, 8, 100, 264), (4, 4, 16384, 8)]:
         chunk, splits = plan_splits(b, nkv, ctx, programs)
         assert chunk % 64 == 0 and chunk * splits >= ctx and chunk * (splits - 1) < ctx
-        assert chunk >= min(256, ctx)  # no chunk so short that combining costs more than it saves
+        assert splits <= MAX_SPLITS  # the combine's serial pass stays short
+        assert b * nkv * (splits - 1) < programs  # about as many programs as asked for, not more
 
 
 def _case(b: int, t: int, nq: int, nkv: int, d: int, slots: int, positions: int, ctx: int, fp8: bool,

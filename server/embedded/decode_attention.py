@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from typing import Optional
 
 import torch
@@ -61,6 +62,11 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows:
     return o.transpose(1, 2)
 
 
+def interpreted() -> bool:
+    """Triton's CPU interpreter (the tests' way to run the kernels without a GPU)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 @functools.lru_cache(maxsize=None)
 def _kernels():
     import triton
@@ -70,7 +76,8 @@ def _kernels():
     def split_kv(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, rows_ptr, pos_ptr, part_o, part_ml, sm_scale, stride_rb,
                  stride_qb, stride_qt, stride_qh, stride_cs, stride_ch, stride_cp, stride_ss, stride_sh,
                  NKV: tl.constexpr, T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, SPLITS: tl.constexpr, FP8: tl.constexpr):
+                 BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, SPLITS: tl.constexpr, FP8: tl.constexpr,
+                 RUNTIME_LOOP: tl.constexpr):
         pid, split = tl.program_id(0), tl.program_id(1)
         b, h = pid // NKV, pid % NKV
         slot = tl.load(rows_ptr + b * stride_rb).to(tl.int64)
@@ -90,25 +97,27 @@ def _kernels():
         acc = tl.zeros((BLOCK_M, D), tl.float32)
         k_base = k_ptr + slot * stride_cs + h * stride_ch
         v_base = v_ptr + slot * stride_cs + h * stride_ch
-        for i in range(0, CHUNK // BLOCK_N):  # a fixed trip count; blocks past the row's last key do nothing
-            n0 = start + i * BLOCK_N
-            if n0 < end:
-                n = n0 + tl.arange(0, BLOCK_N)
-                kmask = n < end
-                kb = tl.load(k_base + n[:, None] * stride_cp + dd[None, :], mask=kmask[:, None], other=0.0)
-                vb = tl.load(v_base + n[:, None] * stride_cp + dd[None, :], mask=kmask[:, None], other=0.0)
-                s = tl.dot(q, tl.trans(kb.to(q.dtype))) * sm_scale
-                if FP8:
-                    s = s * tl.load(ks_ptr + slot * stride_ss + h * stride_sh + n, mask=kmask, other=0.0)[None, :]
-                s = tl.where(n[None, :] <= qpos[:, None], s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                alpha = tl.exp(m_i - m_new)
-                p = tl.exp(s - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                if FP8:
-                    p = p * tl.load(vs_ptr + slot * stride_ss + h * stride_sh + n, mask=kmask, other=0.0)[None, :]
-                acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), vb.to(q.dtype))
-                m_i = m_new
+        # The loop body holds no branch, so the compiler can prefetch the next block's keys and values
+        # while this one computes (loads under an `if` are not pipelined). On a GPU it runs to the row's
+        # last key; the interpreter needs a constant trip count, and blocks past `end` are fully
+        # masked (no bytes read, probabilities 0).
+        for i in range(0, tl.cdiv(end - start, BLOCK_N) if RUNTIME_LOOP else CHUNK // BLOCK_N):
+            n = start + i * BLOCK_N + tl.arange(0, BLOCK_N)
+            kmask = n < end
+            kb = tl.load(k_base + n[:, None] * stride_cp + dd[None, :], mask=kmask[:, None], other=0.0)
+            vb = tl.load(v_base + n[:, None] * stride_cp + dd[None, :], mask=kmask[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(kb.to(q.dtype))) * sm_scale
+            if FP8:
+                s = s * tl.load(ks_ptr + slot * stride_ss + h * stride_sh + n, mask=kmask, other=0.0)[None, :]
+            s = tl.where(n[None, :] <= qpos[:, None], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if FP8:
+                p = p * tl.load(vs_ptr + slot * stride_ss + h * stride_sh + n, mask=kmask, other=0.0)[None, :]
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), vb.to(q.dtype))
+            m_i = m_new
         base = (pid * SPLITS + split) * BLOCK_M
         tl.store(part_o + (base + r)[:, None] * D + dd[None, :], acc)
         tl.store(part_ml + (base + r) * 2, m_i)
@@ -164,24 +173,26 @@ def _kernels():
 
 
 BLOCK_N = 64
-# keys a program reads at least: below it the combine's serial pass over the chunks costs more than the
-# parallel reads save (H200, bench/attention-h200.json: 64-key chunks at 1.5B shape, batch 1, 8k keys,
-# spent 35 us where SDPA took 14)
-MIN_CHUNK = 256
+# Programs per (row, KV head) at most: the combine kernel reads the chunks' partials one after another,
+# so past this many its serial pass costs more than the parallel reads save (H200,
+# bench/attention-h200.json: 1.5B shape, batch 1, 8k keys: 128 chunks of 64 keys 35 us, 32 of 256 16 us)
+MAX_SPLITS = 32
 
 
 def plan_splits(batch: int, kv_heads: int, ctx: int, programs: int) -> tuple[int, int]:
     """(chunk, splits): keys per program and programs per (row, KV head), so that about `programs`
-    programs run (one per multiprocessor) and each reads at least MIN_CHUNK keys (a short context: all)."""
-    want = max(1, -(-programs // (batch * kv_heads)))
-    chunk = max(min(MIN_CHUNK, ctx), -(-ctx // want))
+    programs run, each reading at least BLOCK_N keys, and no row is cut into more than MAX_SPLITS."""
+    want = min(MAX_SPLITS, max(1, -(-programs // (batch * kv_heads))))
+    chunk = max(BLOCK_N, -(-ctx // want))
     chunk = -(-chunk // BLOCK_N) * BLOCK_N
     return chunk, -(-ctx // chunk)
 
 
 @functools.lru_cache(maxsize=None)
 def _programs(device: int) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    """Two programs per multiprocessor: a decode program is one 16-row tile, and a second one resident
+    on each multiprocessor hides the other's memory latency (batch 16, 8k keys: 52 us against 71 with one)."""
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor,
@@ -212,7 +223,8 @@ def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: 
         q, k, v, ks, vs, rows, pos, part_o, part_ml, scale, rows.stride(0),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         ks.stride(0) if fp8 else 0, ks.stride(1) if fp8 else 0,
-        NKV=nkv, T=t, G=g, D=d, BLOCK_M=block_m, BLOCK_N=BLOCK_N, CHUNK=chunk, SPLITS=splits, FP8=fp8)
+        NKV=nkv, T=t, G=g, D=d, BLOCK_M=block_m, BLOCK_N=BLOCK_N, CHUNK=chunk, SPLITS=splits, FP8=fp8,
+        RUNTIME_LOOP=not interpreted())
     combine_kernel[(b * nkv,)](part_o, part_ml, out, out.stride(0), out.stride(1), out.stride(2),
                                NKV=nkv, T=t, G=g, D=d, BLOCK_M=block_m, SPLITS=splits)
     return out

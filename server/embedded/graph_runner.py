@@ -20,6 +20,9 @@ small model (gpt-fast's lesson):
 - **CUDA graphs**: one captured decode step per (batch bucket, context bucket): the batch is padded
   up to a bucket size and the keys read up to a power-of-two context, so a handful of graphs serve
   every step. Inputs go through static buffers; one graph replay is the whole step, lm_head included.
+- **Fused elementwise kernels** (`fused_ops`, on by default on CUDA): residual add + RMSNorm, RoPE +
+  the KV write, and SiLU * up as one Triton kernel each (fused_ops.py), so a layer's decode step is
+  its GEMMs, attention and three small kernels instead of about thirty.
 - `compile=True` runs the work around attention (norms, projections, RoPE, SiLU*mul, residuals) of
   layers with plain bf16 weights through `torch.compile` (inductor fuses the elementwise ops),
   compiled once with dynamic shapes and shared by every layer (weights are arguments).
@@ -37,9 +40,11 @@ import torch
 import torch.nn.functional as F
 
 from server.embedded.base_runner import BaseRunner, Draft
-from server.embedded.decode_attention import split_kv_attention, write_kv
+from server.embedded.decode_attention import interpreted, split_kv_attention, write_kv
+from server.embedded.fused_ops import add_rms_norm, rope_write_kv, silu_mul
 from server.embedded.qlinear import Int8WeightOnlyLinear
 
+FUSED_OPS_ENV = "EMBEDDED_FUSED_OPS"  # 0: eager elementwise ops on CUDA too, for side-by-side measurements
 ATTENTION_ENV = "EMBEDDED_ATTENTION"  # rows|gqa|split: the decode attention's form, for side-by-side measurements
 ATTENTION_FORMS = ("auto", "rows", "gqa", "split")
 # `auto` on CUDA, from bench/attention-h200.json (one layer, CUDA-graph replays): the split-KV kernel for
@@ -107,7 +112,7 @@ class _Layer:
             self.t_gu_w = torch.cat([m.gate_proj.weight, m.up_proj.weight], 0).detach()
             self.t_o_w, self.t_down_w = a.o_proj.weight.detach(), m.down_proj.weight.detach()
             self.t_n1, self.t_n2 = self.norm1.weight.detach(), self.norm2.weight.detach()
-            self.eps = float(getattr(self.norm1, "variance_epsilon", getattr(self.norm1, "eps", 1e-6)))
+            self.eps = _eps(self.norm1)
         if fuse:
             self.qkv = _fuse([a.q_proj, a.k_proj, a.v_proj])
             self.gate_up = _fuse([m.gate_proj, m.up_proj])
@@ -115,6 +120,10 @@ class _Layer:
             self.qkv = lambda x: torch.cat([a.q_proj(x), a.k_proj(x), a.v_proj(x)], -1)
             self.gate_up = lambda x: torch.cat([m.gate_proj(x), m.up_proj(x)], -1)
         self.o_proj, self.down, self.act = a.o_proj, m.down_proj, m.act_fn
+        # what the fused kernels need: RMSNorm weights and SiLU (the llama layout's norms and activation)
+        self.fusable = (hasattr(self.norm1, "weight") and hasattr(self.norm2, "weight")
+                        and type(self.act).__name__ in ("SiLU", "SiLUActivation"))
+        self.norm_eps = _eps(self.norm1)
 
     def pre(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nq: int, nkv: int, d: int
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -135,6 +144,10 @@ def _plain(layer: Any) -> bool:
     return (all(type(x) is torch.nn.Linear for x in lins) and all(x.bias is None for x in lins[3:])
             and (a.q_proj.bias is None) == (a.k_proj.bias is None) == (a.v_proj.bias is None)
             and type(m.act_fn).__name__ in ("SiLU", "SiLUActivation") and hasattr(layer.input_layernorm, "weight"))
+
+
+def _eps(norm: Any) -> float:
+    return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
 
 
 def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -188,10 +201,12 @@ def _post_attention(h: torch.Tensor, o: torch.Tensor, o_proj: Any, norm: Any, ga
 class GraphRunner(BaseRunner):
     def __init__(self, model: Any, num_slots: int, max_seq_len: int, graphs: Optional[bool] = None,
                  compile: bool = False, fuse: Optional[bool] = None, attention: Optional[str] = None,
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", fused_ops: Optional[bool] = None):
         """`attention`: the decode/verify attention's form (module docstring): rows, gqa, split, or auto
         (the default): on CUDA the faster measured form for each step shape (`attention_form`), on a
-        CPU rows. EMBEDDED_ATTENTION overrides it (for side-by-side measurements)."""
+        CPU rows. EMBEDDED_ATTENTION overrides it (for side-by-side measurements). `fused_ops`: the
+        fused elementwise kernels in decode and verify steps (default: on CUDA, where no layer is
+        compiled; EMBEDDED_FUSED_OPS=0 turns them off); on a CPU only under Triton's interpreter."""
         super().__init__(model, num_slots, max_seq_len, kv_cache_dtype)
         cfg = model.config
         cuda = self.device.type == "cuda"
@@ -215,6 +230,14 @@ class GraphRunner(BaseRunner):
             compiled = (torch.compile(_pre_tensors, dynamic=True), torch.compile(_post_tensors, dynamic=True))
         self.layers = [_Layer(layer, cuda if fuse is None else fuse, compiled) for layer in self.inner.layers]
         self.compiled = any(layer.compiled is not None for layer in self.layers)
+        if fused_ops is None:
+            fused_ops = cuda and os.environ.get(FUSED_OPS_ENV, "1") != "0" and not self.compiled
+        if fused_ops and not (cuda or interpreted()):
+            raise ValueError(f"GraphRunner: fused_ops are Triton kernels; on {self.device} they run only under "
+                             "TRITON_INTERPRET=1")
+        final = self.inner.norm
+        self.fused_ops = bool(fused_ops and all(layer.fusable for layer in self.layers) and hasattr(final, "weight"))
+        self.final_norm_eps = _eps(final)
         self._allocate_kv(num_slots + 1, max_seq_len)
         with torch.inference_mode():
             pos = torch.arange(max_seq_len, device=self.device).unsqueeze(0)
@@ -241,36 +264,59 @@ class GraphRunner(BaseRunner):
         of a row attending causally to its row's cache; logits [B*T, V] and normed hidden [B*T, H]."""
         b, t = ids.shape
         h = self.inner.embed_tokens(ids.reshape(-1))
-        cos, sin = self.cos[pos.reshape(-1)], self.sin[pos.reshape(-1)]
+        fused = self.fused_ops
+        if not fused:  # the fused kernel reads the tables at each token's position itself
+            cos, sin = self.cos[pos.reshape(-1)], self.sin[pos.reshape(-1)]
         g, nq, nkv, d = self.group, self.num_heads, self.num_kv_heads, self.head_dim
         form, cuda = self.attention_form(t, ctx), ids.is_cuda
+        mask = None
         if form != "split":  # the kernel masks by pos itself
             mask = (torch.arange(ctx, device=ids.device).view(1, 1, ctx) <= pos.unsqueeze(-1))  # [B, T, ctx]
             # gqa: [B, 1, T, ctx] over the query heads; rows: query rows (token, group head) per KV head
             mask = mask.unsqueeze(1) if form == "gqa" else mask.repeat_interleave(g, 1).unsqueeze(1)
+        if fused:  # the residual stream and the next GEMM's normed input travel side by side
+            h, x = add_rms_norm(h, None, self.layers[0].norm1.weight, self.layers[0].norm_eps)
         for i, layer in enumerate(self.layers):
-            q, k, v = layer.pre(h, cos, sin, nq, nkv, d)
-            if cuda:  # one launch for both caches (and FP8's quantization)
-                write_kv(k.view(b * t, nkv, d), v.view(b * t, nkv, d), self.k[i], self.v[i], write_rows, pos,
-                         *self._scales(i))
+            if fused:  # RoPE at each token's position and the K/V write in one launch
+                q = rope_write_kv(layer.qkv(x), self.cos, self.sin, self.k[i], self.v[i], write_rows, pos, nq, nkv,
+                                  *self._scales(i)).view(b * t, nq, d)
             else:
-                self._kv_put(i, (write_rows, slice(None), pos), k.view(b, t, nkv, d), v.view(b, t, nkv, d))
-            if form == "split":  # reads the cache in place (FP8 included); the rows' slots are write_rows
-                o = split_kv_attention(q.view(b, t, nq, d), self.k[i], self.v[i], write_rows, pos, ctx, self.scale,
-                                       *self._scales(i)).view(b * t, nq * d)
+                q, k, v = layer.pre(h, cos, sin, nq, nkv, d)
+                if cuda:  # one launch for both caches (and FP8's quantization)
+                    write_kv(k.view(b * t, nkv, d), v.view(b * t, nkv, d), self.k[i], self.v[i], write_rows, pos,
+                             *self._scales(i))
+                else:
+                    self._kv_put(i, (write_rows, slice(None), pos), k.view(b, t, nkv, d), v.view(b, t, nkv, d))
+            o = self._decode_attention(i, form, q, write_rows, pos, ctx, mask, b, t)
+            if not fused:
                 h = layer.post(h, o)
                 continue
-            keys, values = self._kv_read(i, (slice(None, b), slice(None), slice(None, ctx)))
-            if form == "gqa":
-                o = F.scaled_dot_product_attention(q.view(b, t, nq, d).transpose(1, 2), keys, values, attn_mask=mask,
-                                                   scale=self.scale, enable_gqa=g > 1)  # [B, nq, T, d]
-                o = o.transpose(1, 2).reshape(b * t, nq * d)
-            else:  # the group query heads of one KV head are `group` query rows of one attention
-                qr = q.view(b, t, nkv, g, d).permute(0, 2, 1, 3, 4).reshape(b, nkv, t * g, d)
-                o = F.scaled_dot_product_attention(qr, keys, values, attn_mask=mask, scale=self.scale)
-                o = o.view(b, nkv, t, g, d).permute(0, 2, 1, 3, 4).reshape(b * t, nq * d)
-            h = layer.post(h, o)
+            h, x = add_rms_norm(h, layer.o_proj(o), layer.norm2.weight, layer.norm_eps)
+            delta = layer.down(silu_mul(layer.gate_up(x)))
+            nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
+            h, x = add_rms_norm(h, delta, self.inner.norm.weight if nxt is None else nxt.norm1.weight,
+                                self.final_norm_eps if nxt is None else nxt.norm_eps)
+        if fused:  # x is the final norm's output already
+            return self.model.lm_head(x).float(), x
         return self._head(h, True)
+
+    def _decode_attention(self, i: int, form: str, q: torch.Tensor, write_rows: torch.Tensor, pos: torch.Tensor,
+                          ctx: int, mask: Optional[torch.Tensor], b: int, t: int) -> torch.Tensor:
+        """Layer i's attention for the step's queries q [B*T, nq, d] over the rows' caches, in `form`:
+        the output [B*T, nq*d]."""
+        g, nq, nkv, d = self.group, self.num_heads, self.num_kv_heads, self.head_dim
+        if form == "split":  # reads the cache in place (FP8 included); the rows' slots are write_rows
+            return split_kv_attention(q.view(b, t, nq, d), self.k[i], self.v[i], write_rows, pos, ctx, self.scale,
+                                      *self._scales(i)).view(b * t, nq * d)
+        keys, values = self._kv_read(i, (slice(None, b), slice(None), slice(None, ctx)))
+        if form == "gqa":
+            o = F.scaled_dot_product_attention(q.view(b, t, nq, d).transpose(1, 2), keys, values, attn_mask=mask,
+                                               scale=self.scale, enable_gqa=g > 1)  # [B, nq, T, d]
+            return o.transpose(1, 2).reshape(b * t, nq * d)
+        # rows: the group query heads of one KV head are `group` query rows of one attention
+        qr = q.view(b, t, nkv, g, d).permute(0, 2, 1, 3, 4).reshape(b, nkv, t * g, d)
+        o = F.scaled_dot_product_attention(qr, keys, values, attn_mask=mask, scale=self.scale)
+        return o.view(b, nkv, t, g, d).permute(0, 2, 1, 3, 4).reshape(b * t, nq * d)
 
     def _prefill_layers(self, slot: int, start: int, end: int, ids: torch.Tensor, pos: torch.Tensor,
                         mask: torch.Tensor) -> torch.Tensor:
