@@ -29,12 +29,14 @@ def hf(tiny_models):
     return model, load_tokenizer(path)
 
 
-@pytest.fixture(params=["slot", "graph"])
+@pytest.fixture(params=["slot", "graph", "graph-overlap"])
 def engine(hf, request):
     """Both runners: the CPU's SlotRunner and the GPU's GraphRunner (eager on a CPU, token for token
-    the same)."""
-    eng = EmbeddedEngine(*hf, max_batch_size=3, max_seq_len=256, threads=1, runner=request.param,
-                         device="cpu")
+    the same); and the GraphRunner with overlap (the GPU's default: each step launched before the one
+    before it is streamed, steps.py), which must change nothing a request sees."""
+    runner, _, overlap = request.param.partition("-")
+    eng = EmbeddedEngine(*hf, max_batch_size=3, max_seq_len=256, threads=1, runner=runner,
+                         device="cpu", overlap=bool(overlap) or None)
     yield eng
     eng.shutdown()
 
@@ -329,3 +331,48 @@ def test_device_sampler_draws_the_tempered_truncated_distribution():
     batched, _ = sample_device(torch.cat([torch.randn(2, 40), logits]), [SamplingParams(temperature=1.0)] * 3,
                                [1, 2, 7], [2, 2, 2])
     assert alone[0] == batched[2]
+
+
+def test_overlap_streams_the_same_tokens_as_stepping_one_at_a_time(hf):
+    """Overlap launches step t+1 from step t's draws before the host reads them; with the same (device)
+    sampler, every request gets the same tokens, logprobs and finish as without it: sampled and greedy
+    rows, a stop string, token limits of 1, 2 and 3 (where running ahead must stop), staggered joins
+    (logprobs to rounding: the batch a step runs in depends on when each request arrives)."""
+    texts = prompts(hf[1], 5)
+    reqs = [SamplingParams(temperature=1.0, top_p=0.9, seed=3, max_tokens=20, top_logprobs=2),
+            SamplingParams(temperature=0.0, max_tokens=1),
+            SamplingParams(temperature=0.7, seed=5, max_tokens=2),
+            SamplingParams(temperature=0.0, max_tokens=3),
+            SamplingParams(temperature=1.0, seed=9, max_tokens=24, stop=[" "])]
+
+    def run(overlap):
+        eng = EmbeddedEngine(*hf, max_batch_size=3, max_seq_len=256, threads=1, runner="graph", device="cpu",
+                             overlap=overlap)
+        eng.step.host_sampler = False  # the sampler overlap uses, on both sides
+
+        async def go():
+            first = [asyncio.ensure_future(collect(eng, Request(t, p))) for t, p in zip(texts[:2], reqs[:2])]
+            await asyncio.sleep(0.05)
+            rest = [asyncio.ensure_future(collect(eng, Request(t, p))) for t, p in zip(texts[2:], reqs[2:])]
+            return await asyncio.gather(*first, *rest)
+        try:
+            out = asyncio.run(go())
+            got = [(f.token_ids, f.finish_reason, f.text, [d.logprobs for d in deltas]) for deltas, f in out]
+            return got, eng.stats
+        finally:
+            eng.shutdown()
+
+    (plain, _), (overlapped, stats) = run(False), run(True)
+    assert [r[:3] for r in overlapped] == [r[:3] for r in plain]
+    for a, b in zip(overlapped, plain):  # when each request joins moves the batch's float sums by rounding
+        tops_a, tops_b = [t for d in a[3] for t in d or ()], [t for d in b[3] for t in d or ()]
+        assert [[i for i, _ in t] for t in tops_a] == [[i for i, _ in t] for t in tops_b]
+        assert [v for t in tops_a for _, v in t] == pytest.approx([v for t in tops_b for _, v in t], abs=1e-4)
+    assert [len(r[0]) for r in plain][1:4] == [1, 2, 3]
+    assert stats.decode_tokens == sum(len(r[0]) for r in plain) - len(plain)  # dropped rows are not counted
+
+
+def test_overlap_is_refused_where_it_cannot_run(hf):
+    with pytest.raises(ValueError, match="overlap"):
+        EmbeddedEngine(*hf, max_batch_size=2, max_seq_len=64, threads=1, device="cpu", deterministic=True,
+                       overlap=True)

@@ -73,6 +73,30 @@ def test_engine_on_cuda_agrees_with_the_cpu_engine(tiny_models):
     assert identical >= 4 and firsts >= 5, (outs["cpu"], outs["cuda"])
 
 
+def test_overlap_on_cuda_streams_what_stepping_one_at_a_time_does(tiny_models):
+    """The GPU default (overlap: step t+1 launched from step t's draws before the host reads them,
+    behind a pinned copy and an event) against the same engine without it: the same tokens for sampled
+    and greedy requests of different lengths, all started together (the same batches either way)."""
+    from aimo_spec.protocol import Request, SamplingParams, collect
+    from server.embedded.engine import EmbeddedEngine
+
+    path = tiny_models["qwen-tir"]
+    params = [SamplingParams(temperature=1.0, top_p=0.9, seed=i, max_tokens=8 + 5 * i) if i % 2 else
+              SamplingParams(temperature=0.0, max_tokens=3 + 4 * i) for i in range(4)]
+    outs = {}
+    for overlap in (False, True):
+        eng = EmbeddedEngine.from_dir(path, max_batch_size=4, max_seq_len=256, device="cuda", overlap=overlap)
+        try:
+            async def go():
+                ps = [eng.chat_prompt(f"What is {i} + {3 * i}?") for i in range(4)]
+                return await asyncio.gather(*(collect(eng, Request(p, sp)) for p, sp in zip(ps, params)))
+            outs[overlap] = [(f.token_ids, f.finish_reason) for _, f in asyncio.run(go())]
+        finally:
+            eng.shutdown()
+    assert outs[True] == outs[False]
+    assert all(len(t) == sp.max_tokens for (t, r), sp in zip(outs[True], params) if r == "length")
+
+
 def test_device_sampler_on_cuda_is_batch_independent():
     from aimo_spec.protocol import SamplingParams
     from server.embedded.sampler import sample_device

@@ -219,7 +219,8 @@ def hf_compiled(model: Any, vocab: int, b: int, context: int, short: int, long: 
 
 
 def measure(shape: str, fmt: str, batches: list[int], contexts: list[int], dev: torch.device, bandwidth: float,
-            steps: int, compile: bool, peers: bool, check: bool, kv_dtypes: tuple[str, ...] = ("auto",)) -> list[dict]:
+            steps: int, compile: bool, peers: bool, check: bool, kv_dtypes: tuple[str, ...] = ("auto",),
+            overlap_baseline: bool = False) -> list[dict]:
     from server.embedded.engine import EmbeddedEngine
     from server.embedded.graph_runner import GraphRunner
 
@@ -254,18 +255,24 @@ def measure(shape: str, fmt: str, batches: list[int], contexts: list[int], dev: 
                 log(json.dumps(kv_rows[-1]))
         del runner
         torch.cuda.empty_cache()
-        engine = EmbeddedEngine(model, word_tokenizer(vocab), max_batch_size=max(batches), max_seq_len=max_seq,
-                                prefix_reuse=False, device=str(dev), compile=compile, kv_cache_dtype=kv)
-        try:
-            for row in kv_rows:
-                e = engine_decode(engine, vocab, row["batch"], row["context"], 8, 8 + 2 * steps)
-                # the engine's own cost (scheduler, sampler, streams) is what it loses against its runner alone
-                row.update({"engine_tok_s": e["tok_s"],
-                            "engine_fraction_of_bound": round(e["tok_s"] / row["bound_tok_s"], 3),
-                            "engine_overhead_fraction": round(1 - e["tok_s"] / row["runner_tok_s"], 3)})
-                log(f"{shape} {fmt} kv={kv} b={row['batch']} ctx={row['context']}: engine {e}")
-        finally:
-            engine.shutdown()
+        # the engine as served (overlap on), then, if asked, with each step streamed before the next is launched
+        for overlap in (True, False) if overlap_baseline else (True,):
+            engine = EmbeddedEngine(model, word_tokenizer(vocab), max_batch_size=max(batches), max_seq_len=max_seq,
+                                    prefix_reuse=False, device=str(dev), compile=compile, kv_cache_dtype=kv,
+                                    overlap=overlap)
+            try:
+                for row in kv_rows:
+                    e = engine_decode(engine, vocab, row["batch"], row["context"], 8, 8 + 2 * steps)
+                    log(f"{shape} {fmt} kv={kv} b={row['batch']} ctx={row['context']} overlap={overlap}: engine {e}")
+                    if not overlap:
+                        row["engine_no_overlap_tok_s"] = e["tok_s"]
+                        continue
+                    # the engine's own cost (scheduler, sampler, streams) is what it loses against its runner alone
+                    row.update({"engine_tok_s": e["tok_s"],
+                                "engine_fraction_of_bound": round(e["tok_s"] / row["bound_tok_s"], 3),
+                                "engine_overhead_fraction": round(1 - e["tok_s"] / row["runner_tok_s"], 3)})
+            finally:
+                engine.shutdown()
         rows += kv_rows
     if peers and fmt == "bf16":
         for row in rows:
@@ -290,6 +297,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--kv-cache", default="auto", help="KV cache dtypes to measure: auto (the model's), fp8")
     ap.add_argument("--compile", action="store_true", help="torch.compile the GraphRunner's elementwise work")
+    ap.add_argument("--overlap-baseline", action="store_true",
+                    help="also measure the engine with overlap off (each step streamed before the next launch)")
     ap.add_argument("--no-peers", action="store_true", help="skip transformers' compiled generate")
     ap.add_argument("--no-check", action="store_true", help="skip the GraphRunner vs SlotRunner agreement")
     ap.add_argument("--out", type=Path, default=None)
@@ -307,7 +316,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             try:
                 rows += measure(shape, fmt, [int(b) for b in args.batches.split(",")],
                                 [int(c) for c in args.contexts.split(",")], dev, bw, args.steps, args.compile,
-                                not args.no_peers, not args.no_check, tuple(args.kv_cache.split(",")))
+                                not args.no_peers, not args.no_check, tuple(args.kv_cache.split(",")),
+                                args.overlap_baseline)
             except Exception as e:  # noqa: BLE001 - one failing configuration must not lose the others
                 import traceback
 

@@ -153,8 +153,9 @@ class BaseRunner(ABC):
         (`mask` [n, end] over the slot's keys): hidden states [n, H] before the final norm."""
 
     @abstractmethod
-    def decode(self, token_ids: list[int], positions: list[int], hidden: bool = False) -> Any:
-        """One token for each slot 0..n-1 at its position; logits [n, V] (and hidden [n, H])."""
+    def decode(self, token_ids: Any, positions: list[int], hidden: bool = False) -> Any:
+        """One token for each slot 0..n-1 at its position (`token_ids`: a list of ints, or a tensor on
+        the runner's device: the step before's draws); logits [n, V] (and hidden [n, H])."""
 
     @abstractmethod
     def verify(self, token_rows: Any, starts: list[int], hidden: bool = False) -> Any:

@@ -49,7 +49,8 @@ class EmbeddedEngine(EngineBase):
                  max_input_len: Optional[int] = None, prefix_reuse: bool = True, threads: Optional[int] = None,
                  load: Optional[Callable[[], tuple[Any, Any]]] = None, device: str = "auto",
                  runner: str = "auto", compile: bool = False, drafter: Any = None,
-                 speculative: Optional[SpecConfig] = None, deterministic: bool = False, kv_cache_dtype: str = "auto"):
+                 speculative: Optional[SpecConfig] = None, deterministic: bool = False, kv_cache_dtype: str = "auto",
+                 overlap: Optional[bool] = None):
         """Either a loaded (model, tokenizer) or `load`, which the engine thread runs itself.
 
         `runner`: auto (graph on CUDA, slot on CPU), graph or slot; `compile`: torch.compile the
@@ -57,6 +58,8 @@ class EmbeddedEngine(EngineBase):
         `speculative` turns on speculative decoding. `deterministic`: a request's tokens do not depend
         on what else runs (server/embedded/deterministic.py: the slot runner, one row at a time,
         aligned prefill chunks, no drafting). `kv_cache_dtype`: auto (the model's) or fp8 (base_runner.py).
+        `overlap`: launch the next decode step before streaming this one's tokens (steps.py); None: on
+        for plain steps on a GPU.
         """
         _check_runner(runner, deterministic)
         self.device = resolve_device(device)
@@ -68,6 +71,7 @@ class EmbeddedEngine(EngineBase):
         drafter, speculative = _speculation(drafter, speculative, deterministic)
         self.compile = compile
         self.kv_cache_dtype = kv_cache_dtype
+        self.overlap = overlap
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         self.max_input_len = max_input_len or max_seq_len - 1
         self.prefix_reuse = prefix_reuse
@@ -111,8 +115,9 @@ class EmbeddedEngine(EngineBase):
             capacity = self.max_seq_len + (self.spec.draft_len if self.spec else 0)
             self.runner = _make_runner(self.runner_kind, model, self.max_batch_size, capacity, self.compile,
                                        self.kv_cache_dtype)
-            self.step = PlainStep(self.runner, self.stats, self._emit, self.deterministic) if drafter is None else (
-                SpeculativeStep(self.runner, self.stats, self._emit, *drafter, self.spec, self.spec_max_batch))
+            self.step = (PlainStep(self.runner, self.stats, self._emit, self.deterministic, self.overlap)
+                         if drafter is None else
+                         SpeculativeStep(self.runner, self.stats, self._emit, *drafter, self.spec, self.spec_max_batch))
             self.scheduler = Scheduler(self.runner, self.max_batch_size, self.max_seq_len, self.max_input_len,
                                        self.prefix_reuse, self.deterministic)
             self.eos_ids = eos_ids(model, tokenizer)
@@ -221,6 +226,7 @@ class EmbeddedEngine(EngineBase):
 
     def _fail_all(self, error: str) -> None:
         """End every request with an error, forgetting the kept prefixes (`Scheduler.drop_all`)."""
+        self.step.discard()
         for seq in self.scheduler.drop_all():
             seq.stream.finish("error", error)
 

@@ -335,10 +335,11 @@ class GraphRunner(BaseRunner):
         return h
 
     @torch.inference_mode()
-    def decode(self, token_ids: list[int], positions: list[int], hidden: bool = False) -> Any:
-        """One token for each slot 0..n-1 at its position; logits [n, V] (and hidden [n, H]), on the
-        runner's device."""
-        out = self.verify([[t] for t in token_ids], positions, hidden)
+    def decode(self, token_ids: Any, positions: list[int], hidden: bool = False) -> Any:
+        """One token for each slot 0..n-1 at its position (`token_ids`: a list, or a tensor on the
+        device); logits [n, V] (and hidden [n, H]), on the runner's device."""
+        rows = token_ids.view(-1, 1) if isinstance(token_ids, torch.Tensor) else [[t] for t in token_ids]
+        out = self.verify(rows, positions, hidden)
         return (out[0][:, 0], out[1][:, 0]) if hidden else out[:, 0]
 
     @torch.inference_mode()

@@ -89,14 +89,14 @@ class SlotRunner(BaseRunner):
         return h[0]
 
     @torch.inference_mode()
-    def decode(self, token_ids: list[int], positions: list[int], hidden: bool = False, first_slot: int = 0) -> Any:
-        """One token for each slot first_slot..first_slot+n-1 at its position; logits [n, V] (and hidden
-        [n, H])."""
+    def decode(self, token_ids: Any, positions: list[int], hidden: bool = False, first_slot: int = 0) -> Any:
+        """One token for each slot first_slot..first_slot+n-1 at its position (`token_ids`: a list or a
+        tensor); logits [n, V] (and hidden [n, H])."""
         n = len(token_ids)
         longest = max(positions) + 1
         self.ensure_capacity(longest)
         dev = self.device
-        ids = torch.tensor(token_ids, dtype=torch.long, device=dev).view(n, 1)
+        ids = torch.as_tensor(token_ids, dtype=torch.long, device=dev).view(n, 1)
         pos = torch.tensor(positions, dtype=torch.long, device=dev).view(n, 1)
         rows = torch.arange(first_slot, first_slot + n, device=dev)
         h = self.inner.embed_tokens(ids)

@@ -109,38 +109,60 @@ def sample_device(logits: torch.Tensor, params: Sequence[SamplingParams], seeds:
     Exactly the same distributions as `sample` (top-p keeps the smallest prefix of the sorted
     probabilities whose mass reaches p, at least one token); a different random stream.
     """
-    n, vocab = logits.shape
+    tokens = draw_device(logits, params, seeds, steps)
+    return unpack_draws(pack_draws(logits, tokens, params).tolist(), params)
+
+
+def draw_device(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int], steps: Sequence[int]
+                ) -> torch.Tensor:
+    """The next token of each row [n], left on the logits' device (no host round trip), so that the
+    engine can feed it to the next step before it reads it (`steps.PlainStep`'s overlap).
+
+    A row's draw depends only on its logits, its seed and `steps` (its number of tokens generated
+    so far): not on the other rows, and not on when the host reads it."""
+    vocab = logits.shape[1]
     dev = logits.device
     temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
     greedy = temps == 0
     tokens = torch.argmax(logits, -1)
-    if not bool(all(p.temperature == 0 for p in params)):
-        seed_t = torch.tensor([int(s) & ((1 << 62) - 1) for s in seeds], dtype=torch.long, device=dev)
-        step_t = torch.tensor(list(steps), dtype=torch.long, device=dev)
-        scaled = logits / torch.where(greedy, torch.ones_like(temps), temps).unsqueeze(1)
-        if any(p.top_k or p.top_p < 1.0 for p in params):
-            top_k = torch.tensor([p.top_k or vocab for p in params], dtype=torch.long, device=dev)
-            top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
-            vals, idx = torch.sort(scaled, -1, descending=True)
-            probs = torch.softmax(vals, -1)
-            keep = _keep_sorted(probs, top_k, top_p)
-            noisy = torch.where(keep, vals + gumbel_noise(seed_t, step_t, idx), torch.full_like(vals, float("-inf")))
-            drawn = idx.gather(1, noisy.argmax(-1, keepdim=True)).squeeze(1)
-        else:
-            ids = torch.arange(vocab, device=dev).unsqueeze(0)
-            drawn = (scaled + gumbel_noise(seed_t, step_t, ids)).argmax(-1)
-        tokens = torch.where(greedy, tokens, drawn)
+    if all(p.temperature == 0 for p in params):
+        return tokens
+    seed_t = torch.tensor([int(s) & ((1 << 62) - 1) for s in seeds], dtype=torch.long, device=dev)
+    step_t = torch.tensor(list(steps), dtype=torch.long, device=dev)
+    scaled = logits / torch.where(greedy, torch.ones_like(temps), temps).unsqueeze(1)
+    if any(p.top_k or p.top_p < 1.0 for p in params):
+        top_k = torch.tensor([p.top_k or vocab for p in params], dtype=torch.long, device=dev)
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
+        vals, idx = torch.sort(scaled, -1, descending=True)
+        probs = torch.softmax(vals, -1)
+        keep = _keep_sorted(probs, top_k, top_p)
+        noisy = torch.where(keep, vals + gumbel_noise(seed_t, step_t, idx), torch.full_like(vals, float("-inf")))
+        drawn = idx.gather(1, noisy.argmax(-1, keepdim=True)).squeeze(1)
+    else:
+        ids = torch.arange(vocab, device=dev).unsqueeze(0)
+        drawn = (scaled + gumbel_noise(seed_t, step_t, ids)).argmax(-1)
+    return torch.where(greedy, tokens, drawn)
+
+
+def pack_draws(logits: torch.Tensor, tokens: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """What the host needs from a step, as one tensor to copy: the tokens [n] alone, or, where some
+    request wants top logprobs, rows [n, 1 + 2k] of (token, k ids, k logprobs) in float64 (exact for ids)."""
     want = max((p.top_logprobs for p in params), default=0)
-    tops: list[Optional[tuple[tuple[int, float], ...]]] = [None] * n
     if not want:
-        return tokens.tolist(), tops
-    val, idx = torch.topk(torch.log_softmax(logits.float(), -1), min(want, vocab), dim=-1)
-    packed = torch.cat([tokens.view(-1, 1).to(torch.float64), idx.to(torch.float64), val.to(torch.float64)], 1).tolist()
-    out = []
+        return tokens
+    val, idx = torch.topk(torch.log_softmax(logits.float(), -1), min(want, logits.shape[1]), dim=-1)
+    return torch.cat([tokens.view(-1, 1).to(torch.float64), idx.to(torch.float64), val.to(torch.float64)], 1)
+
+
+def unpack_draws(rows: list, params: Sequence[SamplingParams]
+                 ) -> tuple[list[int], list[Optional[tuple[tuple[int, float], ...]]]]:
+    """(tokens, top logprobs per row or None) from `pack_draws`'s output read back as a list."""
+    tops: list[Optional[tuple[tuple[int, float], ...]]] = [None] * len(params)
+    if not rows or not isinstance(rows[0], list):
+        return [int(t) for t in rows], tops
+    want = (len(rows[0]) - 1) // 2
     for i, p in enumerate(params):
-        row = packed[i]
-        out.append(int(row[0]))
         if p.top_logprobs:
-            k = p.top_logprobs
+            row, k = rows[i], min(p.top_logprobs, want)
             tops[i] = tuple((int(row[1 + j]), row[1 + want + j]) for j in range(k))
-    return out, tops
+    return [int(r[0]) for r in rows], tops

@@ -14,19 +14,29 @@ device, measured) the step decodes one token per sequence instead; both kinds of
 drafter's input (the target's hidden state of each pending token) current.
 
 Deterministic mode (deterministic.py) is a plain step: aligned prefill chunks, one row at a time.
+
+Overlap (plain steps on a GPU, as vLLM's and SGLang's overlap schedulers do): the host launches step
+t+1 from step t's sampled tokens while they are still on the device, and only then reads step t's
+tokens (from a pinned copy, behind an event) to stream them, match stop strings and end requests, so
+that host work runs while the device computes. A sequence that step t ends has had one token too many
+computed for it; that row is dropped. The batch's next step is launched early only while it is the
+same batch (same sequences, same slots) and every sequence has room for two more tokens; otherwise
+the step in flight is landed first and the next one starts from the host's tokens. Tokens are the
+same as without overlap: the draw depends on the logits, the seed and the token's index only.
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from server.embedded.deterministic import CHUNK, decode_rows, whole_chunks
-from server.embedded.sampler import sample, sample_device
+from server.embedded.sampler import draw_device, pack_draws, sample, sample_device, unpack_draws
 from server.embedded.sequence import EngineStats, Seq
 from server.embedded.speculative import SpecConfig, accept_device, accept_host, top_logprobs
 
@@ -35,14 +45,37 @@ PREFILL_CHUNK = 512  # prompt tokens per prefill forward (deterministic mode: CH
 Emit = Callable[[Seq, int, Any], bool]  # (sequence, token, its top logprobs) -> the request ended
 
 
+@dataclass
+class Launched:
+    """A decode step queued on the device whose tokens the host has not read yet."""
+
+    seqs: list[Seq]  # the batch, in slot order at launch
+    tokens: torch.Tensor  # [n] sampled tokens on the device: the next step's input
+    host: torch.Tensor  # `pack_draws`'s output copied to (pinned) host memory once `ready` fires
+    ready: Any  # a CUDA event recorded after that copy (None on the CPU: the copy was synchronous)
+
+
+def same_batch(a: Sequence[Seq], b: Sequence[Seq]) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
 class PlainStep:
     """One token per running sequence per step."""
 
     hidden = False  # whether forwards also return the normed hidden states (the drafter's input)
 
-    def __init__(self, runner: Any, stats: EngineStats, emit: Emit, deterministic: bool = False):
+    def __init__(self, runner: Any, stats: EngineStats, emit: Emit, deterministic: bool = False,
+                 overlap: Optional[bool] = None):
+        """`overlap` (see the module's docstring): None turns it on for plain steps on a GPU outside
+        deterministic mode (on the CPU the host and the device are the same cores: nothing to win)."""
         self.runner, self.stats, self.emit = runner, stats, emit
         self.deterministic = deterministic
+        if overlap and (deterministic or self.hidden):
+            raise ValueError("overlap runs plain, non-deterministic steps only")
+        self.overlap = (runner.device.type == "cuda" and not deterministic and not self.hidden
+                        if overlap is None else overlap)
+        self._launched: Optional[Launched] = None
+        self.host_sampler = runner.device.type == "cpu"  # per-request generators (sampler.sample); else sample_device
         self._forward = partial(decode_rows, runner) if deterministic else runner.decode
 
     def prefill(self, seq: Seq) -> None:
@@ -64,7 +97,11 @@ class PlainStep:
             self._sampled([seq], out.unsqueeze(0))
 
     def decode(self, batch: list[Seq]) -> None:
-        """One token for every sequence of the batch (slots 0..n-1)."""
+        """One token for every sequence of the batch (slots 0..n-1); with overlap, the tokens of the
+        step launched before (this step's own are streamed at the next call, or by `land`)."""
+        if self.overlap:
+            self._decode_overlapped(batch)
+            return
         t0 = time.perf_counter()
         out = self._forward([s.pending for s in batch], [s.kv_len for s in batch], hidden=self.hidden)
         logits, hidden = out if self.hidden else (out, None)
@@ -76,9 +113,71 @@ class PlainStep:
             s.kv_len += 1
         self._sampled(batch, logits, hidden)
 
+    def _decode_overlapped(self, batch: list[Seq]) -> None:
+        prev, self._launched = self._launched, None
+        if prev is None:
+            self._launched = self._launch(batch, None)
+            return
+        # run ahead only where no sequence can reach its token limit with prev's token (the cache then has room)
+        if same_batch(prev.seqs, batch) and all(len(s.generated) + 2 <= s.max_new for s in batch):
+            self._launched = self._launch(batch, prev.tokens)
+        self._land(prev)  # when the batch changed, its next step starts from the host's tokens next time
+
+    def land(self) -> None:
+        """Stream the tokens of the step in flight, if any (the engine calls this before it stops)."""
+        prev, self._launched = self._launched, None
+        if prev is not None:
+            self._land(prev)
+
+    def discard(self) -> None:
+        """Forget the step in flight (after a failed step, whose requests have all been ended)."""
+        self._launched = None
+
+    def _launch(self, batch: list[Seq], tokens: Optional[torch.Tensor]) -> Launched:
+        """Queue one decode step and its sampling on the device: from `tokens` (the step before's draws,
+        still on the device; each row's pending token is not known on the host yet) or from the host's
+        pending tokens. Returns without waiting for the device."""
+        t0 = time.perf_counter()
+        ahead = tokens is not None  # the draw's index counts the token not yet streamed
+        ids = tokens if ahead else [s.pending for s in batch]
+        logits = self.runner.decode(ids, [s.kv_len for s in batch])
+        params = [s.params for s in batch]
+        drawn = draw_device(logits, params, [s.seed for s in batch], [len(s.generated) + ahead for s in batch])
+        packed = pack_draws(logits, drawn, params)
+        ready = None
+        if packed.device.type == "cuda":
+            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        else:
+            host = packed
+        for s in batch:
+            s.kv_len += 1  # the pending token's KV is being written
+        self.stats.forward_seconds += time.perf_counter() - t0
+        self.stats.steps += 1
+        self.stats.batch_sizes.append(len(batch))
+        return Launched(list(batch), drawn, host, ready)
+
+    def _land(self, launched: Launched) -> None:
+        """Wait for a launched step's tokens and hand each to `emit`; rows of requests that ended
+        meanwhile (their last token came in the step before, or they were cancelled) are dropped."""
+        t0 = time.perf_counter()
+        if launched.ready is not None:
+            launched.ready.synchronize()
+        rows = launched.host.tolist()
+        t1 = time.perf_counter()
+        self.stats.forward_seconds += t1 - t0  # waiting for the device
+        toks, tops = unpack_draws(rows, [s.params for s in launched.seqs])
+        for s, tok, top in zip(launched.seqs, toks, tops):
+            if not s.stream.done:
+                self.stats.decode_tokens += 1
+                self.emit(s, tok, top)
+        self.stats.sample_seconds += time.perf_counter() - t1
+
     def _sampled(self, seqs: list[Seq], logits: torch.Tensor, hidden: Optional[torch.Tensor] = None) -> None:
         t0 = time.perf_counter()
-        if logits.device.type == "cpu":
+        if self.host_sampler:
             toks, tops = sample(logits, [s.params for s in seqs], [s.gen for s in seqs])
         else:
             toks, tops = sample_device(logits, [s.params for s in seqs], [s.seed for s in seqs],
