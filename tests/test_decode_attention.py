@@ -45,6 +45,7 @@ def test_plan_splits_covers_the_context_with_whole_blocks():
     for b, nkv, ctx, programs in [(1, 2, 8192, 264), (16, 8, 512, 264), (1, 8, 100, 264), (4, 4, 16384, 8)]:
         chunk, splits = plan_splits(b, nkv, ctx, programs)
         assert chunk % 64 == 0 and chunk * splits >= ctx and chunk * (splits - 1) < ctx
+        assert plan_splits(b, nkv, ctx, programs, 256)[0] % 256 == 0
         assert splits <= MAX_SPLITS  # the combine's serial pass stays short
         assert b * nkv * (splits - 1) < programs  # about as many programs as asked for, not more
 
@@ -90,6 +91,23 @@ def test_split_kv_attention_matches_the_reference(case):
     assert out.shape == q.shape and out.dtype == q.dtype
     tol = 2e-2 if dtype == torch.bfloat16 else 3e-3
     assert (out.float() - ref).abs().max().item() < tol
+
+
+@pytest.mark.skipif(not (CUDA or HAS_TRITON), reason="needs CUDA or Triton's interpreter")
+@pytest.mark.parametrize("fp8", [False, True])
+def test_split_kv_attention_launch_configurations_give_the_same_result(fp8):
+    """Wider key blocks (the chunk then a multiple of them) and other warp/stage counts: the same numbers."""
+    from server.embedded.decode_attention import split_kv_attention
+
+    dtype, device = (torch.bfloat16, "cuda") if CUDA else (torch.float16, "cpu")
+    q, k, v, rows, pos, ks, vs = _case(2, 2, 8, 2, 32, 3, 700, 700, fp8, dtype, device, 8)
+    ref = reference_attention(q.float(), dequantize_kv(k, ks, torch.float32), dequantize_kv(v, vs, torch.float32),
+                              rows, pos, 700, 32 ** -0.5)
+    for config in [(64, 4, 3), (128, 8, 2), (256, 4, 1)]:
+        out = split_kv_attention(q, k, v, rows, pos, 700, 32 ** -0.5, ks, vs, programs=8, config=config)
+        assert (out.float() - ref).abs().max().item() < (2e-2 if dtype == torch.bfloat16 else 3e-3), config
+    with pytest.raises(ValueError, match="power of two"):
+        split_kv_attention(q, k, v, rows, pos, 700, 32 ** -0.5, ks, vs, config=(96, 4, 2))
 
 
 

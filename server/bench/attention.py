@@ -75,12 +75,44 @@ def forms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kq: torch.Tensor, v
             "split_fp8": lambda: split_kv_attention(q, kq, vq, rows, pos, ctx, scale, ks, vs)}
 
 
+TUNE_CONFIGS = [(bn, w, st) for bn in (64, 128) for w in (4, 8) for st in (2, 3)]
+
+
+def tune_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kq: torch.Tensor, vq: torch.Tensor,
+               ks: torch.Tensor, vs: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, ctx: int, scale: float,
+               ref: torch.Tensor) -> dict[str, list]:
+    """The split kernel's time per (keys an iteration, warps, stages, programs a multiprocessor), bf16
+    and FP8 caches, fastest first (the three best of each); a configuration that fails or is wrong is skipped."""
+    from server.embedded.decode_attention import split_kv_attention
+
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    out: dict[str, list] = {}
+    for name, (kc, vc, ksc, vsc) in {"split": (k, v, None, None), "split_fp8": (kq, vq, ks, vs)}.items():
+        timed = []
+        for config in TUNE_CONFIGS:
+            for per_sm in (1, 2):
+                def fn(config=config, per_sm=per_sm) -> torch.Tensor:
+                    return split_kv_attention(q, kc, vc, rows, pos, ctx, scale, ksc, vsc, programs=per_sm * sms,
+                                              config=config)
+                try:
+                    if (fn().float() - ref).abs().max().item() > 0.1:
+                        continue
+                    timed.append((round(time_graph(fn), 1), *config, per_sm))
+                except Exception as e:  # noqa: BLE001 - e.g. shared memory exceeded: not a candidate
+                    print(f"[bench.attention] {name} {config} x{per_sm}: {type(e).__name__}", file=sys.stderr)
+        out[name] = sorted(timed)[:3]  # (us, keys an iteration, warps, stages, programs a multiprocessor)
+    return out
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m server.bench.attention", description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="1.5b,7b,14b")
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--contexts", default="512,8192,16384")
     ap.add_argument("--tokens", default="1,4", help="query tokens per row (1: decode, 4: a 1+3 verify)")
+    ap.add_argument("--tune", action="store_true",
+                    help="also time the split kernel over launch configurations and programs a multiprocessor "
+                         "(row key 'tune': the fastest first), to set decode_attention.SPLIT_CONFIG")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -115,6 +147,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                         read = bf16_bytes // 2 + 2 * b * nkv * ctx * 4 if name == "split_fp8" else bf16_bytes
                         row[name] = {"us": round(us, 1), "max_abs_err": round(err, 4),
                                      "of_bound": round(read / bandwidth / (us * 1e-6), 3)}
+                    if args.tune:
+                        row["tune"] = tune_split(q, k, v, kq, vq, ks, vs, rows, pos, ctx, d ** -0.5, ref)
                     row["bound_bf16_us"] = round(bf16_bytes / bandwidth * 1e6, 1)
                     results.append(row)
                     print(json.dumps(row), flush=True)

@@ -30,9 +30,11 @@ from typing import Any, Optional
 
 import torch
 
-SHAPES = {  # Qwen2 configurations (DeepSeek-R1-Distill-Qwen 1.5B / 14B sizes)
+SHAPES = {  # Qwen2 configurations (DeepSeek-R1-Distill-Qwen 1.5B / 7B / 14B sizes)
     "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                  num_key_value_heads=2, vocab_size=151936),
+    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+               num_key_value_heads=4, vocab_size=152064),
     "14b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,
                 num_key_value_heads=8, vocab_size=152064),
 }

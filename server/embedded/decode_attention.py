@@ -172,19 +172,22 @@ def _kernels():
     return split_kv, combine, write_kv
 
 
-BLOCK_N = 64
+BLOCK_N = 64  # keys a loop iteration reads (the smallest a launch configuration may use)
+# (keys an iteration reads, warps, pipeline stages) of the split kernel, per cache dtype
+SPLIT_CONFIG = {"model": (64, 4, 3), "fp8": (64, 4, 3)}
 # Programs per (row, KV head) at most: the combine kernel reads the chunks' partials one after another,
 # so past this many its serial pass costs more than the parallel reads save (H200,
 # bench/attention-h200.json: 1.5B shape, batch 1, 8k keys: 128 chunks of 64 keys 35 us, 32 of 256 16 us)
 MAX_SPLITS = 32
 
 
-def plan_splits(batch: int, kv_heads: int, ctx: int, programs: int) -> tuple[int, int]:
+def plan_splits(batch: int, kv_heads: int, ctx: int, programs: int, block_n: int = BLOCK_N) -> tuple[int, int]:
     """(chunk, splits): keys per program and programs per (row, KV head), so that about `programs`
-    programs run, each reading at least BLOCK_N keys, and no row is cut into more than MAX_SPLITS."""
+    programs run, each reading at least `block_n` keys (a whole number of blocks), and no row is cut
+    into more than MAX_SPLITS."""
     want = min(MAX_SPLITS, max(1, -(-programs // (batch * kv_heads))))
-    chunk = max(BLOCK_N, -(-ctx // want))
-    chunk = -(-chunk // BLOCK_N) * BLOCK_N
+    chunk = max(block_n, -(-ctx // want))
+    chunk = -(-chunk // block_n) * block_n
     return chunk, -(-ctx // chunk)
 
 
@@ -197,10 +200,12 @@ def _programs(device: int) -> int:
 
 def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor,
                        ctx: int, scale: float, k_scale: Optional[torch.Tensor] = None,
-                       v_scale: Optional[torch.Tensor] = None, programs: Optional[int] = None) -> torch.Tensor:
+                       v_scale: Optional[torch.Tensor] = None, programs: Optional[int] = None,
+                       config: Optional[tuple[int, int, int]] = None) -> torch.Tensor:
     """`reference_attention`'s contract, as two Triton launches. `ctx` bounds the keys read (the CUDA
-    graph's context bucket); rows whose `pos` is shorter stop early. `programs` (default: one per
-    multiprocessor on CUDA) sets how finely the keys are split."""
+    graph's context bucket); rows whose `pos` is shorter stop early. `programs` (default: two per
+    multiprocessor on CUDA) sets how finely the keys are split; `config` (keys per iteration, warps,
+    stages; default SPLIT_CONFIG's for the cache dtype) is for measuring others."""
     b, t, nq, d = q.shape
     nkv = k.shape[1]
     g = nq // nkv
@@ -209,10 +214,13 @@ def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: 
     if k.stride(-1) != 1 or q.stride(-1) != 1 or pos.stride(1) != 1 or pos.stride(0) != t:
         raise ValueError("split_kv_attention: q and the caches need a contiguous head_dim, pos a contiguous [B, T]")
     fp8 = k_scale is not None
+    block_n, warps, stages = config or SPLIT_CONFIG["fp8" if fp8 else "model"]
+    if block_n < BLOCK_N or block_n & (block_n - 1):
+        raise ValueError(f"split_kv_attention: keys per iteration {block_n} must be a power of two >= {BLOCK_N}")
     block_m = max(16, 1 << math.ceil(math.log2(t * g)))
     if programs is None:
         programs = _programs(q.device.index or 0) if q.is_cuda else 8
-    chunk, splits = plan_splits(b, nkv, ctx, programs)
+    chunk, splits = plan_splits(b, nkv, ctx, programs, block_n)
     part_o = torch.empty((b * nkv * splits * block_m, d), dtype=torch.float32, device=q.device)
     part_ml = torch.empty((b * nkv * splits * block_m, 2), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
@@ -223,8 +231,8 @@ def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: 
         q, k, v, ks, vs, rows, pos, part_o, part_ml, scale, rows.stride(0),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         ks.stride(0) if fp8 else 0, ks.stride(1) if fp8 else 0,
-        NKV=nkv, T=t, G=g, D=d, BLOCK_M=block_m, BLOCK_N=BLOCK_N, CHUNK=chunk, SPLITS=splits, FP8=fp8,
-        RUNTIME_LOOP=not interpreted())
+        NKV=nkv, T=t, G=g, D=d, BLOCK_M=block_m, BLOCK_N=block_n, CHUNK=chunk, SPLITS=splits, FP8=fp8,
+        RUNTIME_LOOP=not interpreted(), num_warps=warps, num_stages=stages)
     combine_kernel[(b * nkv,)](part_o, part_ml, out, out.stride(0), out.stride(1), out.stride(2),
                                NKV=nkv, T=t, G=g, D=d, BLOCK_M=block_m, SPLITS=splits)
     return out
