@@ -5,6 +5,8 @@ transformers' compiled static-cache generate, measured side by side in one proce
 
 Random weights (speed only) in Qwen2 shapes. For each shape, format, context and batch size:
 - `runner`: the GraphRunner's decode step alone (one CUDA graph replay per step, no sampling);
+- `verify_1_plus_3_ms`: the GraphRunner's verify of 4 tokens a row (a speculative step's target
+  forward with 3 drafts), and its ratio to the decode step;
 - `engine`: the whole `EmbeddedEngine` (scheduler thread, device sampler, request streams and
   detokenizer), B requests of `context` random prompt tokens generating with ignore_eos; decode
   tokens/s from the difference of two generation lengths, so prefill cancels out;
@@ -145,6 +147,24 @@ def runner_decode(runner: Any, vocab: int, b: int, context: int, steps: int, war
 
 
 @torch.inference_mode()
+def runner_verify(runner: Any, vocab: int, b: int, context: int, steps: int, tokens: int = 4, warmup: int = 3
+                  ) -> float:
+    """Median seconds of one verify step (`tokens` tokens a row: the pending token and its drafts) for
+    b sequences at `context` tokens, the slots already prefilled by `runner_decode`: what a speculative
+    step costs the target, against one decode step."""
+    gen = torch.Generator().manual_seed(4)
+    times = []
+    for i in range(steps + warmup):
+        rows = torch.randint(0, vocab, (b, tokens), generator=gen).tolist()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        runner.verify(rows, [context] * b).argmax(-1).tolist()  # the same host round trip as a decode step
+        if i >= warmup:
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
 def agreement(model: Any, vocab: int, context: int, steps: int = 32, b: int = 4) -> dict[str, float]:
     """GraphRunner (fused GEMMs, graphs, buckets) vs SlotRunner on the same weights and device."""
     from server.embedded.graph_runner import GraphRunner
@@ -247,11 +267,13 @@ def measure(shape: str, fmt: str, batches: list[int], contexts: list[int], dev: 
         for context in contexts:
             for b in batches:
                 step = runner_decode(runner, vocab, b, context, steps)
+                verify = runner_verify(runner, vocab, b, context, max(4, steps // 2))
                 bytes_step = wbytes + b * (context + steps // 2) * kv_bytes[kv]
                 bound = b / (bytes_step / bandwidth)
                 kv_rows.append({"shape": shape, "format": fmt, "kv_cache": kv, "attention": runner.attention_form(1, context),
                                 "batch": b, "context": context, "compile": compile,
                                 "runner_tok_s": round(b / step, 1), "runner_step_ms": round(step * 1e3, 3),
+                                "verify_1_plus_3_ms": round(verify * 1e3, 3), "verify_over_step": round(verify / step, 3),
                                 "bound_tok_s": round(bound, 1), "runner_fraction_of_bound": round(b / step / bound, 3),
                                 "weight_gb": round(wbytes / 1e9, 2), **extra})
                 log(json.dumps(kv_rows[-1]))
