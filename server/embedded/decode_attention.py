@@ -182,10 +182,11 @@ MAX_SPLITS = 32
 
 
 def plan_splits(batch: int, kv_heads: int, ctx: int, programs: int, block_n: int = BLOCK_N) -> tuple[int, int]:
-    """(chunk, splits): keys per program and programs per (row, KV head), so that about `programs`
+    """(chunk, splits): keys per program and programs per (row, KV head), so that at most about `programs`
     programs run, each reading at least `block_n` keys (a whole number of blocks), and no row is cut
     into more than MAX_SPLITS."""
-    want = min(MAX_SPLITS, max(1, -(-programs // (batch * kv_heads))))
+    # rounded down: programs past a whole wave would run as a second, mostly idle one
+    want = min(MAX_SPLITS, max(1, programs // (batch * kv_heads)))
     chunk = max(block_n, -(-ctx // want))
     chunk = -(-chunk // block_n) * block_n
     return chunk, -(-ctx // chunk)
