@@ -57,6 +57,16 @@ def _qkv_case(dtype, n=6, nq=4, nkv=2, d=16, slots=3, positions=40, fp8=False):
     return qkv, cos, sin, k_cache, v_cache, rows, pos, nq, nkv, d, (scales if fp8 else (None, None))
 
 
+def same_as_eager(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Bit for bit under the interpreter; compiled for CUDA, within one rounding of the dtype (the inputs
+    are of order 1, so a sum that cancels may differ by a rounding of its terms)."""
+    if not CUDA:
+        assert torch.equal(got, want)
+        return
+    eps = torch.finfo(want.dtype).eps
+    torch.testing.assert_close(got.float(), want.float(), rtol=eps, atol=eps)
+
+
 @needs_triton
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rope_write_kv_rotates_q_and_writes_rotated_k_and_v_to_their_slots(dtype):
@@ -67,8 +77,11 @@ def test_rope_write_kv_rotates_q_and_writes_rotated_k_and_v_to_their_slots(dtype
     q_ref, k_ref, v_ref = qkv.split([nq * d, nkv * d, nkv * d], -1)
     want_q = reference_rope(q_ref.view(-1, nq, d), cos[pos], sin[pos])
     want_k = reference_rope(k_ref.reshape(-1, nkv, d), cos[pos], sin[pos])
-    assert torch.equal(q, want_q)  # every product and sum rounds where the eager ops round
-    assert torch.equal(kc[rows, :, pos], want_k) and torch.equal(vc[rows, :, pos], v_ref.reshape(-1, nkv, d))
+    # every product and sum rounds where the eager ops round: exactly so under the interpreter; compiled for
+    # a GPU, a product may be contracted into the sum (one rounding fewer; H100: 1 ulp on some elements)
+    same_as_eager(q, want_q)
+    same_as_eager(kc[rows, :, pos], want_k)
+    assert torch.equal(vc[rows, :, pos], v_ref.reshape(-1, nkv, d))
     written = torch.zeros(kc.shape[:3], dtype=torch.bool, device=DEVICE)
     written[rows, :, pos] = True
     assert kc[~written].eq(0).all() and vc[~written].eq(0).all()  # nothing else touched

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import statistics
 import sys
@@ -278,6 +279,7 @@ def measure(shape: str, fmt: str, batches: list[int], contexts: list[int], dev: 
                                 "weight_gb": round(wbytes / 1e9, 2), **extra})
                 log(json.dumps(kv_rows[-1]))
         del runner
+        gc.collect()  # the runner's captured graphs and their pool go with it, before the engine allocates its own
         torch.cuda.empty_cache()
         # the engine as served (overlap on), then, if asked, with each step streamed before the next is launched
         for overlap in (True, False) if overlap_baseline else (True,):
@@ -297,6 +299,9 @@ def measure(shape: str, fmt: str, batches: list[int], contexts: list[int], dev: 
                                 "engine_overhead_fraction": round(1 - e["tok_s"] / row["runner_tok_s"], 3)})
             finally:
                 engine.shutdown()
+                del engine  # its cache is freed before the next engine allocates one
+                gc.collect()
+                torch.cuda.empty_cache()
         rows += kv_rows
     if peers and fmt == "bf16":
         for row in rows:

@@ -364,9 +364,8 @@ class GraphRunner(BaseRunner):
             logits, normed = self._rows_step(ids.to(dev), pos.to(dev), rows.to(dev), ctx)
         else:
             graph, io = self._graph(b, ctx, t)
-            io["ids"].copy_(ids, non_blocking=True)
-            io["pos"].copy_(pos, non_blocking=True)
-            io["rows"].copy_(rows, non_blocking=True)
+            for name, host in (("ids", ids), ("pos", pos), ("rows", rows)):  # queued, not waited for (transfer.py)
+                io[name].copy_(host if host.is_cuda else host.contiguous().pin_memory(), non_blocking=True)
             graph.replay()
             logits, normed = io["logits"], io["hidden"]
         logits = logits.view(b, t, -1)[:n]

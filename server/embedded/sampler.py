@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 import torch
 
 from aimo_spec.protocol import SamplingParams
+from server.embedded.transfer import to_device
 
 CANDIDATES = 256
 
@@ -122,17 +123,18 @@ def draw_device(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: S
     so far): not on the other rows, and not on when the host reads it."""
     vocab = logits.shape[1]
     dev = logits.device
-    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
-    greedy = temps == 0
     tokens = torch.argmax(logits, -1)
     if all(p.temperature == 0 for p in params):
         return tokens
-    seed_t = torch.tensor([int(s) & ((1 << 62) - 1) for s in seeds], dtype=torch.long, device=dev)
-    step_t = torch.tensor(list(steps), dtype=torch.long, device=dev)
+    # the per-row settings go up without synchronizing (transfer.py): the host must not wait for the step
+    temps = to_device([p.temperature for p in params], torch.float32, dev)
+    greedy = temps == 0
+    seed_t = to_device([int(s) & ((1 << 62) - 1) for s in seeds], torch.long, dev)
+    step_t = to_device(list(steps), torch.long, dev)
     scaled = logits / torch.where(greedy, torch.ones_like(temps), temps).unsqueeze(1)
     if any(p.top_k or p.top_p < 1.0 for p in params):
-        top_k = torch.tensor([p.top_k or vocab for p in params], dtype=torch.long, device=dev)
-        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
+        top_k = to_device([p.top_k or vocab for p in params], torch.long, dev)
+        top_p = to_device([p.top_p for p in params], torch.float32, dev)
         vals, idx = torch.sort(scaled, -1, descending=True)
         probs = torch.softmax(vals, -1)
         keep = _keep_sorted(probs, top_k, top_p)
