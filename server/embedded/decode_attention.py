@@ -173,8 +173,10 @@ def _kernels():
 
 
 BLOCK_N = 64  # keys a loop iteration reads (the smallest a launch configuration may use)
-# (keys an iteration reads, warps, pipeline stages) of the split kernel, per cache dtype
-SPLIT_CONFIG = {"model": (64, 4, 3), "fp8": (64, 4, 3)}
+# (keys an iteration reads, warps, pipeline stages) of the split kernel, per cache dtype: the fastest or
+# within 1% of it at 14B and 1.5B, batch 1 and 16, 8k keys (`python -m server.bench.attention --tune`,
+# H100, bench/attention-tune-h100.json); 128-key blocks gain most at batch 1 (14B: 13.9 us against 17.2)
+SPLIT_CONFIG = {"model": (128, 4, 3), "fp8": (128, 4, 3)}
 # Programs per (row, KV head) at most: the combine kernel reads the chunks' partials one after another,
 # so past this many its serial pass costs more than the parallel reads save (H200,
 # bench/attention-h200.json: 1.5B shape, batch 1, 8k keys: 128 chunks of 64 keys 35 us, 32 of 256 16 us)
