@@ -358,11 +358,12 @@ def test_overlap_streams_the_same_tokens_as_stepping_one_at_a_time(hf):
         try:
             out = asyncio.run(go())
             got = [(f.token_ids, f.finish_reason, f.text, [d.logprobs for d in deltas]) for deltas, f in out]
-            return got, eng.stats
+            return got, eng.stats, eng.step.launched_ahead
         finally:
             eng.shutdown()
 
-    (plain, _), (overlapped, stats) = run(False), run(True)
+    (plain, _, none_ahead), (overlapped, stats, ahead) = run(False), run(True)
+    assert none_ahead == 0 and ahead > 10  # overlap ran: most steps of the 20- and 24-token rows went ahead
     assert [r[:3] for r in overlapped] == [r[:3] for r in plain]
     for a, b in zip(overlapped, plain):  # when each request joins moves the batch's float sums by rounding
         tops_a, tops_b = [t for d in a[3] for t in d or ()], [t for d in b[3] for t in d or ()]

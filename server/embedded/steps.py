@@ -66,16 +66,20 @@ class PlainStep:
 
     def __init__(self, runner: Any, stats: EngineStats, emit: Emit, deterministic: bool = False,
                  overlap: Optional[bool] = None):
-        """`overlap` (see the module's docstring): None turns it on for plain steps on a GPU outside
-        deterministic mode (on the CPU the host and the device are the same cores: nothing to win)."""
+        """`overlap` (see the module's docstring): None turns it on for plain steps of a runner with CUDA
+        graphs outside deterministic mode (on the CPU the host and the device are the same cores: nothing
+        to win; a runner without graphs builds its inputs with blocking copies, which would wait anyway).
+        With overlap every token, the first one included, comes from the device sampler."""
         self.runner, self.stats, self.emit = runner, stats, emit
         self.deterministic = deterministic
         if overlap and (deterministic or self.hidden):
             raise ValueError("overlap runs plain, non-deterministic steps only")
-        self.overlap = (runner.device.type == "cuda" and not deterministic and not self.hidden
-                        if overlap is None else overlap)
+        self.overlap = (runner.device.type == "cuda" and bool(getattr(runner, "graphs", False))
+                        and not deterministic and not self.hidden if overlap is None else overlap)
         self._launched: Optional[Launched] = None
-        self.host_sampler = runner.device.type == "cpu"  # per-request generators (sampler.sample); else sample_device
+        self.launched_ahead = 0  # steps launched from the step before's draws (overlap at work)
+        # per-request generators (sampler.sample) on the CPU; else, and always with overlap, sample_device
+        self.host_sampler = runner.device.type == "cpu" and not self.overlap
         self._forward = partial(decode_rows, runner) if deterministic else runner.decode
 
     def prefill(self, seq: Seq) -> None:
@@ -121,13 +125,8 @@ class PlainStep:
         # run ahead only where no sequence can reach its token limit with prev's token (the cache then has room)
         if same_batch(prev.seqs, batch) and all(len(s.generated) + 2 <= s.max_new for s in batch):
             self._launched = self._launch(batch, prev.tokens)
+            self.launched_ahead += 1
         self._land(prev)  # when the batch changed, its next step starts from the host's tokens next time
-
-    def land(self) -> None:
-        """Stream the tokens of the step in flight, if any (the engine calls this before it stops)."""
-        prev, self._launched = self._launched, None
-        if prev is not None:
-            self._land(prev)
 
     def discard(self) -> None:
         """Forget the step in flight (after a failed step, whose requests have all been ended)."""
@@ -149,7 +148,7 @@ class PlainStep:
             host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
             host.copy_(packed, non_blocking=True)
             ready = torch.cuda.Event()
-            ready.record()
+            ready.record(torch.cuda.current_stream(packed.device))  # the copy's device, not the current one
         else:
             host = packed
         for s in batch:
@@ -169,11 +168,11 @@ class PlainStep:
         t1 = time.perf_counter()
         self.stats.forward_seconds += t1 - t0  # waiting for the device
         toks, tops = unpack_draws(rows, [s.params for s in launched.seqs])
+        self.stats.sample_seconds += time.perf_counter() - t1  # streaming (emit) is bookkeeping, as without overlap
         for s, tok, top in zip(launched.seqs, toks, tops):
-            if not s.stream.done:
+            if not s.stream.done:  # a dropped row: steps and batch_sizes count it, decode_tokens does not
                 self.stats.decode_tokens += 1
                 self.emit(s, tok, top)
-        self.stats.sample_seconds += time.perf_counter() - t1
 
     def _sampled(self, seqs: list[Seq], logits: torch.Tensor, hidden: Optional[torch.Tensor] = None) -> None:
         t0 = time.perf_counter()
