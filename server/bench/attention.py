@@ -115,13 +115,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "(row key 'tune': the fastest first), to set decode_attention.SPLIT_CONFIG")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench.attention: no CUDA device here", file=sys.stderr)
-        return 2
-    from server.bench.gpu import copy_bandwidth, gpu_environment
+    from server.bench.gpu import copy_bandwidth, cuda_device, gpu_environment
     from server.embedded.decode_attention import quantize_kv, reference_attention
 
-    dev = torch.device("cuda")
+    dev = cuda_device("bench.attention")
+    if dev is None:
+        return 2
     bandwidth = copy_bandwidth(dev)
     print(f"[bench.attention] copy bandwidth {bandwidth / 1e12:.2f} TB/s", file=sys.stderr)
     meta = {**gpu_environment(), "copy_bandwidth_tb_s": round(bandwidth / 1e12, 2)}

@@ -43,6 +43,15 @@ SHAPES = {  # Qwen2 configurations (DeepSeek-R1-Distill-Qwen 1.5B / 7B / 14B siz
 }
 
 
+def cuda_device(prog: str) -> Optional[torch.device]:
+    """The GPU a benchmark measures, or None (said on stderr) where there is none: the GPU benchmarks
+    exit 2 then rather than measure a CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    print(f"{prog}: no CUDA device here; this benchmark measures a GPU", file=sys.stderr)
+    return None
+
+
 def log(msg: str) -> None:
     print(f"[bench.gpu] {msg}", file=sys.stderr, flush=True)
 
@@ -332,10 +341,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--no-check", action="store_true", help="skip the GraphRunner vs SlotRunner agreement")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench.gpu: no CUDA device here; this benchmark measures the GPU engine", file=sys.stderr)
+    dev = cuda_device("bench.gpu")
+    if dev is None:
         return 2
-    dev = torch.device("cuda")
     bw = copy_bandwidth(dev)
     name = torch.cuda.get_device_name(dev)
     log(f"{name}: measured copy bandwidth {bw / 1e12:.2f} TB/s, torch {torch.__version__}")

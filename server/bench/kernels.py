@@ -34,11 +34,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--tune", action="store_true", help="time the weight-only kernel's configuration grid too")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench.kernels: no CUDA device here", file=sys.stderr)
-        return 2
     from server.bench.attention import time_graph
-    from server.bench.gpu import gpu_environment
+    from server.bench.gpu import cuda_device, gpu_environment
+
+    if cuda_device("bench.kernels") is None:
+        return 2
     from server.embedded import gpu_kernels as gk
 
     rows, totals = [], {c: 0.0 for c in GRID}
