@@ -98,7 +98,9 @@ def test_rope_write_kv_quantizes_for_an_fp8_cache():
     want_k = reference_rope(k_ref.reshape(-1, nkv, d), cos[pos], sin[pos]).float()
     for cache, scale, want in ((kc, ks, want_k), (vc, vs, v_ref.reshape(-1, nkv, d).float())):
         amax = want.abs().amax(-1)
-        torch.testing.assert_close(scale[rows, :, pos], amax / 448.0)
+        # compiled for CUDA the rotated k may differ from eager by one rounding (see same_as_eager), so its amax too
+        eps = torch.finfo(dtype).eps if CUDA else 1.3e-6
+        torch.testing.assert_close(scale[rows, :, pos], amax / 448.0, rtol=eps, atol=1e-5)
         back = dequantize_kv(cache[rows, :, pos], scale[rows, :, pos], torch.float32)
         off = (back - want).abs() / amax.unsqueeze(-1) > 0.07  # beyond e4m3's precision relative to the amax
         # Triton's interpreter rounds float32 -> e4m3 wrongly where rounding carries into the exponent
