@@ -59,7 +59,7 @@ class EmbeddedEngine(EngineBase):
         on what else runs (server/embedded/deterministic.py: the slot runner, one row at a time,
         aligned prefill chunks, no drafting). `kv_cache_dtype`: auto (the model's) or fp8 (base_runner.py).
         `overlap`: launch the next decode step before streaming this one's tokens (steps.py); None: on
-        for plain steps on a GPU.
+        for plain steps of the graph runner on a GPU.
         """
         _check_runner(runner, deterministic)
         self.device = resolve_device(device)

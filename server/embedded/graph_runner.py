@@ -43,6 +43,7 @@ from server.embedded.base_runner import BaseRunner, Draft
 from server.embedded.decode_attention import interpreted, split_kv_attention, write_kv
 from server.embedded.fused_ops import add_rms_norm, rope_write_kv, silu_mul
 from server.embedded.qlinear import Int8WeightOnlyLinear
+from server.embedded.transfer import copy_into
 
 FUSED_OPS_ENV = "EMBEDDED_FUSED_OPS"  # 0: eager elementwise ops on CUDA too, for side-by-side measurements
 ATTENTION_ENV = "EMBEDDED_ATTENTION"  # rows|gqa|split: the decode attention's form, for side-by-side measurements
@@ -364,8 +365,8 @@ class GraphRunner(BaseRunner):
             logits, normed = self._rows_step(ids.to(dev), pos.to(dev), rows.to(dev), ctx)
         else:
             graph, io = self._graph(b, ctx, t)
-            for name, host in (("ids", ids), ("pos", pos), ("rows", rows)):  # queued, not waited for (transfer.py)
-                io[name].copy_(host if host.is_cuda else host.contiguous().pin_memory(), non_blocking=True)
+            for name, src in (("ids", ids), ("pos", pos), ("rows", rows)):  # queued, not waited for
+                copy_into(io[name], src)
             graph.replay()
             logits, normed = io["logits"], io["hidden"]
         logits = logits.view(b, t, -1)[:n]
@@ -393,8 +394,8 @@ class GraphRunner(BaseRunner):
         io["first"][:n].copy_(first)
         if pad:
             io["first"][n:].zero_()
-        io["pos"].copy_(pos, non_blocking=True)
-        io["rows"].copy_(rows, non_blocking=True)
+        copy_into(io["pos"], pos)
+        copy_into(io["rows"], rows)
         graph.replay()
         return io["drafts"][:n], io["logits"].view(b, t, -1)[:n], io["hidden"].view(b, t, -1)[:n]
 

@@ -102,7 +102,7 @@ class PlainStep:
 
     def decode(self, batch: list[Seq]) -> None:
         """One token for every sequence of the batch (slots 0..n-1); with overlap, the tokens of the
-        step launched before (this step's own are streamed at the next call, or by `land`)."""
+        step launched before (this step's own are streamed at the next call)."""
         if self.overlap:
             self._decode_overlapped(batch)
             return

@@ -14,9 +14,17 @@ from typing import Sequence
 import torch
 
 
-def to_device(values: Sequence | torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """`values` (a list or a CPU tensor) as a tensor on `device`, without synchronizing a CUDA stream."""
-    t = values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+def to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`values` (a list) as a tensor on `device`, without synchronizing a CUDA stream."""
+    t = torch.tensor(values, dtype=dtype)
     if device.type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst := src (a CPU tensor, or one on dst's device) without synchronizing a CUDA stream: a
+    captured graph's static inputs are filled this way."""
+    if dst.is_cuda and not src.is_cuda:
+        src = src.contiguous().pin_memory()
+    dst.copy_(src, non_blocking=True)
