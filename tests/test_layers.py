@@ -29,7 +29,7 @@ ALLOWED = {  # package -> what its modules may import from the project
 }
 PROGRAM_PLACES = ("server.programs", "server.bench", "trtbuild.programs", "trtbuild.__main__", "sandbox._worker")
 RUNTIME_FLOORS = (  # inside server/: module prefixes per floor, bottom up; anything else is a surface
-    ("server.textstream", "server.stream", "server.answers", "server.answer_latex", "server.budget"),
+    ("server.textstream", "server.stream", "server.answers", "server.answer_latex", "server.budget", "server.tables"),
     ("server.embedded.", "server.trtllm.engine", "server.triton.engine", "server.triton.interface",
      "server.openai.engine", "server.openai.replicas", "server.openai.routing", "server.openai.probe",
      "server.openai.remote_completion", "server.openai.connections", "server.backends"),

@@ -18,11 +18,12 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
+
+from server.bench.device import comma_ints, copy_bandwidth, cuda_device, gpu_environment, grid_arguments, write_rows
 
 HEADS = {"1.5b": (12, 2, 128), "7b": (28, 4, 128), "14b": (40, 8, 128)}  # query heads, KV heads, head_dim
 REPLAYS = 20
@@ -106,16 +107,13 @@ def tune_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kq: torch.Tens
 
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m server.bench.attention", description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", default="1.5b,7b,14b")
-    ap.add_argument("--batches", default="1,4,16")
-    ap.add_argument("--contexts", default="512,8192,16384")
-    ap.add_argument("--tokens", default="1,4", help="query tokens per row (1: decode, 4: a 1+3 verify)")
+    grid_arguments(ap, HEADS, shapes="1.5b,7b,14b", batches="1,4,16", contexts="512,8192,16384")
+    ap.add_argument("--tokens", type=comma_ints, default=[1, 4],
+                    help="query tokens per row (1: decode, 4: a 1+3 verify)")
     ap.add_argument("--tune", action="store_true",
                     help="also time the split kernel over launch configurations and programs a multiprocessor "
                          "(row key 'tune': the fastest first), to set decode_attention.SPLIT_CONFIG")
-    ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    from server.bench.gpu import copy_bandwidth, cuda_device, gpu_environment
     from server.embedded.decode_attention import quantize_kv, reference_attention
 
     dev = cuda_device("bench.attention")
@@ -125,15 +123,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"[bench.attention] copy bandwidth {bandwidth / 1e12:.2f} TB/s", file=sys.stderr)
     meta = {**gpu_environment(), "copy_bandwidth_tb_s": round(bandwidth / 1e12, 2)}
     results: list[dict] = []
-    for shape in args.shapes.split(","):
+    for shape in args.shapes:
         nq, nkv, d = HEADS[shape]
-        for ctx in (int(c) for c in args.contexts.split(",")):
-            for b in (int(x) for x in args.batches.split(",")):
+        for ctx in args.contexts:
+            for b in args.batches:
                 k = torch.randn(b + 1, nkv, ctx, d, device=dev, dtype=torch.bfloat16)
                 v = torch.randn_like(k)
                 kq, ks = quantize_kv(k)
                 vq, vs = quantize_kv(v)
-                for t in (int(x) for x in args.tokens.split(",")):
+                for t in args.tokens:
                     q = torch.randn(b, t, nq, d, device=dev, dtype=torch.bfloat16)
                     rows = torch.arange(b, device=dev)
                     pos = (torch.arange(t, device=dev) + ctx - t).view(1, t).expand(b, t).contiguous()
@@ -151,9 +149,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     row["bound_bf16_us"] = round(bf16_bytes / bandwidth * 1e6, 1)
                     results.append(row)
                     print(json.dumps(row), flush=True)
-                    if args.out:  # after every row: a run cut short keeps what it measured
-                        args.out.parent.mkdir(parents=True, exist_ok=True)
-                        args.out.write_text(json.dumps({"meta": meta, "rows": results}, indent=2))
+                    write_rows(args.out, meta, results)
                 del k, v, kq, vq, ks, vs
     return 0
 

@@ -1,6 +1,7 @@
 """What deterministic mode buys and costs, measured side by side in one run on one engine folder.
 
-    python -m server.bench.deterministic --engine engines/mix/build/embedded [--device cpu] [--out bench/deterministic-cpu.json]
+    python -m server.bench.deterministic --engine engines/mix/build/embedded [--device cpu]
+                                         [--out bench/deterministic-cpu.json]
 
 For the default engine and for deterministic mode (server/embedded/deterministic.py), in turn:
 1. Equality: `--prompts` chat prompts, greedy, each alone (one after another), then all together, then
@@ -32,9 +33,10 @@ def log(msg: str) -> None:
 
 def questions(n: int) -> list[str]:
     """AIMO-like problems of about 110 tokens, so that repeated prompts reuse KV in both modes."""
-    return [f"Let $S$ be the set of positive integers $k \\le {100 + 7 * i}$ such that ${7 * i + 3}^k + k$ is divisible "
-            f"by {11 + i}. Find the remainder when the sum of the elements of $S$ is divided by 1000. Think step by "
-            "step, use python to check your arithmetic, and put the final answer in \\boxed{}." for i in range(n)]
+    return [f"Let $S$ be the set of positive integers $k \\le {100 + 7 * i}$ such that ${7 * i + 3}^k + k$ is "
+            f"divisible by {11 + i}. Find the remainder when the sum of the elements of $S$ is divided by 1000. "
+            "Think step by step, use python to check your arithmetic, and put the final answer in \\boxed{}."
+            for i in range(n)]
 
 
 async def _greedy(engine: Any, prompt: list[int], tokens: int) -> tuple[tuple[int, ...], tuple]:
@@ -52,7 +54,8 @@ def equality(engine: Any, prompts: list[list[int]], tokens: int) -> dict[str, An
         return [got[order.index(i)] for i in range(len(prompts))]
     ref = asyncio.run(alone())
     out: dict[str, Any] = {"prompts": len(prompts), "tokens": tokens}
-    for name, order in (("together", list(range(len(prompts)))), ("together_reversed", list(range(len(prompts)))[::-1])):
+    forward = list(range(len(prompts)))
+    for name, order in (("together", forward), ("together_reversed", forward[::-1])):
         got = asyncio.run(together(order))
         out[f"{name}_same_tokens"] = sum(g[0] == r[0] for g, r in zip(got, ref))
         out[f"{name}_same_logprobs"] = sum(g == r for g, r in zip(got, ref))
@@ -83,12 +86,14 @@ def measure(engine_dir: Path, device: str, deterministic: bool, args: argparse.N
         asyncio.run(_greedy(engine, prompts[0], 4))  # warm up
         eq = equality(engine, prompts, args.tokens)
         log(f"[deterministic] {'deterministic' if deterministic else 'default'}: same tokens together "
-            f"{eq['together_same_tokens']}/{eq['prompts']}, reversed {eq['together_reversed_same_tokens']}/{eq['prompts']}; "
+            f"{eq['together_same_tokens']}/{eq['prompts']}, "
+            f"reversed {eq['together_reversed_same_tokens']}/{eq['prompts']}; "
             f"same logprobs {eq['together_same_logprobs']}/{eq['prompts']}")
         rates = {}
         for b in args.batches:
             rates[str(b)] = round(throughput(engine, prompts, b, args.tokens, args.repeats), 2)
-            log(f"[deterministic] {'deterministic' if deterministic else 'default'}: batch {b}: {rates[str(b)]:.1f} tok/s")
+            mode = "deterministic" if deterministic else "default"
+            log(f"[deterministic] {mode}: batch {b}: {rates[str(b)]:.1f} tok/s")
         return {"equality": eq, "tokens_per_second": rates, "runner": engine.runner_kind}
     finally:
         engine.shutdown()

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 from aimo_spec.protocol import Request, SamplingParams, collect
+from server.tables import format_table
 
 
 async def burst(engine, prompt: list[int], n: int, tokens: int) -> float:
@@ -38,8 +39,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    from server.embedded.engine import EmbeddedEngine
     from aimo_spec.recipe import load_recipe
+    from server.embedded.engine import EmbeddedEngine
 
     recipe = load_recipe(args.recipe)
     dirs = {f: recipe.layout.weights(f) for f in ("bf16", *recipe.quantize.formats)}
@@ -62,9 +63,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     for r in rows:
         r["vs_bf16"] = round(r["tok_s"] / base, 3) if base else None
     print(f"embedded runtime, {args.concurrent} concurrent x {args.tokens} tokens, median of {args.repeats}")
-    print(f"{'format':<8} {'tok/s':>7} {'vs bf16':>8}")
-    for r in rows:
-        print(f"{r['format']:<8} {r['tok_s']:>7} {r['vs_bf16']:>8}")
+    print(format_table(rows, [("format", "format", "<8"), ("tok/s", "tok_s", ">7"), ("vs bf16", "vs_bf16", ">8")]))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"concurrent": args.concurrent, "tokens": args.tokens, "rows": rows}, indent=2))

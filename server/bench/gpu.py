@@ -28,10 +28,11 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any, Optional
 
 import torch
+
+from server.bench.device import copy_bandwidth, cuda_device, gpu_environment, grid_arguments, write_rows
 
 SHAPES = {  # Qwen2 configurations (DeepSeek-R1-Distill-Qwen 1.5B / 7B / 14B sizes)
     "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
@@ -43,47 +44,8 @@ SHAPES = {  # Qwen2 configurations (DeepSeek-R1-Distill-Qwen 1.5B / 7B / 14B siz
 }
 
 
-def cuda_device(prog: str) -> Optional[torch.device]:
-    """The GPU a benchmark measures, or None (said on stderr) where there is none: the GPU benchmarks
-    exit 2 then rather than measure a CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    print(f"{prog}: no CUDA device here; this benchmark measures a GPU", file=sys.stderr)
-    return None
-
-
 def log(msg: str) -> None:
     print(f"[bench.gpu] {msg}", file=sys.stderr, flush=True)
-
-
-def copy_bandwidth(dev: torch.device, gib: float = 4.0) -> float:
-    """Bytes per second a device-to-device copy moves, counting read and write."""
-    n = int(gib * 2**30) // 2
-    a = torch.empty(n, dtype=torch.bfloat16, device=dev)
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(10):
-        t = time.perf_counter()
-        b.copy_(a)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    del a, b
-    return 2 * n * 2 / statistics.median(times)
-
-
-def gpu_environment() -> dict[str, Any]:
-    """What a committed GPU figure names: the date, the GPU, and torch's and Triton's versions."""
-    meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
-    try:
-        import triton
-
-        meta["triton"] = triton.__version__
-    except ImportError:
-        pass
-    return meta
 
 
 def quantize_linears(model: Any, fmt: str) -> None:
@@ -180,7 +142,8 @@ def agreement(model: Any, vocab: int, context: int, steps: int = 32, b: int = 4)
     from server.embedded.graph_runner import GraphRunner
     from server.embedded.runner import SlotRunner
 
-    ref, fast = SlotRunner(model, b, context + steps + 2, context + steps + 2), GraphRunner(model, b, context + steps + 2)
+    seq = context + steps + 2
+    ref, fast = SlotRunner(model, b, seq, seq), GraphRunner(model, b, seq)
     gen = torch.Generator().manual_seed(1)
     for slot in range(b):
         p = torch.randint(0, vocab, (context,), generator=gen).tolist()
@@ -280,10 +243,12 @@ def measure(shape: str, fmt: str, batches: list[int], contexts: list[int], dev: 
                 verify = runner_verify(runner, vocab, b, context, max(4, steps // 2))
                 bytes_step = wbytes + b * (context + steps // 2) * kv_bytes[kv]
                 bound = b / (bytes_step / bandwidth)
-                kv_rows.append({"shape": shape, "format": fmt, "kv_cache": kv, "attention": runner.attention_form(1, context),
+                kv_rows.append({"shape": shape, "format": fmt, "kv_cache": kv,
+                                "attention": runner.attention_form(1, context),
                                 "batch": b, "context": context, "compile": compile,
                                 "runner_tok_s": round(b / step, 1), "runner_step_ms": round(step * 1e3, 3),
-                                "verify_1_plus_3_ms": round(verify * 1e3, 3), "verify_over_step": round(verify / step, 3),
+                                "verify_1_plus_3_ms": round(verify * 1e3, 3),
+                                "verify_over_step": round(verify / step, 3),
                                 "bound_tok_s": round(bound, 1), "runner_fraction_of_bound": round(b / step / bound, 3),
                                 "weight_gb": round(wbytes / 1e9, 2), **extra})
                 log(json.dumps(kv_rows[-1]))
@@ -328,10 +293,8 @@ def measure(shape: str, fmt: str, batches: list[int], contexts: list[int], dev: 
 
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m server.bench.gpu", description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", default="1.5b,14b")
+    grid_arguments(ap, SHAPES, shapes="1.5b,14b", batches="1,8,32", contexts="512")
     ap.add_argument("--formats", default="bf16,int8_wo,fp8")
-    ap.add_argument("--batches", default="1,8,32")
-    ap.add_argument("--contexts", default="512")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--kv-cache", default="auto", help="KV cache dtypes to measure: auto (the model's), fp8")
     ap.add_argument("--compile", action="store_true", help="torch.compile the GraphRunner's elementwise work")
@@ -339,20 +302,18 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="also measure the engine with overlap off (each step streamed before the next launch)")
     ap.add_argument("--no-peers", action="store_true", help="skip transformers' compiled generate")
     ap.add_argument("--no-check", action="store_true", help="skip the GraphRunner vs SlotRunner agreement")
-    ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     dev = cuda_device("bench.gpu")
     if dev is None:
         return 2
     bw = copy_bandwidth(dev)
-    name = torch.cuda.get_device_name(dev)
-    log(f"{name}: measured copy bandwidth {bw / 1e12:.2f} TB/s, torch {torch.__version__}")
+    meta = {**gpu_environment(), "copy_bandwidth_tb_s": round(bw / 1e12, 3)}
+    log(f"{meta['gpu']}: measured copy bandwidth {bw / 1e12:.2f} TB/s, torch {torch.__version__}")
     rows = []
-    for shape in args.shapes.split(","):
+    for shape in args.shapes:
         for fmt in args.formats.split(","):
             try:
-                rows += measure(shape, fmt, [int(b) for b in args.batches.split(",")],
-                                [int(c) for c in args.contexts.split(",")], dev, bw, args.steps, args.compile,
+                rows += measure(shape, fmt, args.batches, args.contexts, dev, bw, args.steps, args.compile,
                                 not args.no_peers, not args.no_check, tuple(args.kv_cache.split(",")),
                                 args.overlap_baseline)
             except Exception as e:  # noqa: BLE001 - one failing configuration must not lose the others
@@ -360,11 +321,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
                 traceback.print_exc()
                 rows.append({"shape": shape, "format": fmt, "error": f"{type(e).__name__}: {e}"})
-            if args.out:  # written after each configuration: a run cut short keeps what it measured
-                args.out.parent.mkdir(parents=True, exist_ok=True)
-                args.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "device": name,
-                                                "copy_bandwidth_tb_s": round(bw / 1e12, 3), "torch": torch.__version__,
-                                                "rows": rows}, indent=2))
+            write_rows(args.out, meta, rows)  # after each configuration: a run cut short keeps what it measured
     return 0
 
 

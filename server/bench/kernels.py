@@ -16,11 +16,12 @@ import argparse
 import itertools
 import json
 import sys
-from pathlib import Path
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+from server.bench.device import cuda_device, gpu_environment, grid_arguments, write_rows
 
 SHAPES = {"1.5b": [(2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960)],
           "14b": [(7168, 5120), (5120, 5120), (27648, 5120), (5120, 13824)]}
@@ -29,21 +30,18 @@ GRID = list(itertools.product((32, 64, 128), (128, 256), (4, 8), (3,)))
 
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m server.bench.kernels", description=__doc__.splitlines()[0])
-    ap.add_argument("--batches", default="1,4,16")
-    ap.add_argument("--shapes", default="1.5b,14b")
+    grid_arguments(ap, SHAPES, shapes="1.5b,14b", batches="1,4,16")
     ap.add_argument("--tune", action="store_true", help="time the weight-only kernel's configuration grid too")
-    ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     from server.bench.attention import time_graph
-    from server.bench.gpu import cuda_device, gpu_environment
 
     if cuda_device("bench.kernels") is None:
         return 2
     from server.embedded import gpu_kernels as gk
 
     rows, totals = [], {c: 0.0 for c in GRID}
-    for shape in args.shapes.split(","):
-        for (n, k), m in itertools.product(SHAPES[shape], [int(b) for b in args.batches.split(",")]):
+    for shape in args.shapes:
+        for (n, k), m in itertools.product(SHAPES[shape], args.batches):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
             s = (w.float().abs().amax(1) / 127).clamp_min(1e-8)
@@ -70,7 +68,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     except Exception:  # noqa: BLE001 - a configuration the compiler refuses
                         per[c] = float("inf")
                     totals[c] += per[c]
-                row.update({"int8_wo_best_us": round(min(per.values()), 1), "int8_wo_best_config": min(per, key=per.get)})
+                row.update({"int8_wo_best_us": round(min(per.values()), 1),
+                            "int8_wo_best_config": min(per, key=per.get)})
             rows.append(row)
             print(json.dumps(row), flush=True)
     meta = {**gpu_environment(), "config_in_use": gk.CONFIG}
@@ -78,9 +77,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         meta["best_config"] = min(totals, key=totals.get)
         print(f"[bench.kernels] best configuration over all shapes: {meta['best_config']} (in use: {gk.CONFIG})",
               file=sys.stderr)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    write_rows(args.out, meta, rows)
     return 0
 
 

@@ -56,10 +56,14 @@ def rows(d: Path) -> list[tuple[str, str, str, str]]:
         for r in s["rows"]:
             out.append(("formats", f"{r['format']}, {s['concurrent']} concurrent", f"{r['tok_s']:.1f} tok/s",
                         f"{r['vs_bf16']:.2f}x bf16" if r["vs_bf16"] else ""))
-    if (s := load("gpu.json")):
+    if (s := load("gpu.json")):  # python -m server.bench.gpu --out bench/gpu.json
         for r in s["rows"]:
-            out.append(("gpu", f"{s['device']} {r['shape']} {r['format']}, batch {r['batch']}", f"{r['tok_s']:.1f} tok/s",
-                        f"{100 * r['fraction_of_bound']:.1f}% of the bandwidth bound ({r['bound_tok_s']:.0f} tok/s)"))
+            if "engine_tok_s" not in r:  # a configuration that failed: its row names the error
+                continue
+            out.append(("gpu", f"{s['meta']['gpu']} {r['shape']} {r['format']} kv {r['kv_cache']}, batch {r['batch']}, "
+                               f"context {r['context']}", f"{r['engine_tok_s']:.1f} tok/s",
+                        f"{100 * r['engine_fraction_of_bound']:.1f}% of the bandwidth bound "
+                        f"({r['bound_tok_s']:.0f} tok/s)"))
     return out
 
 
@@ -71,7 +75,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not table:
         print(f"bench_report: no benchmark results in {args.dir}", file=sys.stderr)
         return 2
-    md = [f"# make bench, {time.strftime('%Y-%m-%d')}", "", "| benchmark | measure | figure | ratio |", "|---|---|---|---|"]
+    md = [f"# make bench, {time.strftime('%Y-%m-%d')}", "", "| benchmark | measure | figure | ratio |",
+          "|---|---|---|---|"]
     md += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in table]
     (args.dir / "summary.md").write_text("\n".join(md) + "\n")
     (args.dir / "summary.json").write_text(json.dumps([dict(zip(("benchmark", "measure", "figure", "ratio"), r))

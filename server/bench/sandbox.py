@@ -62,8 +62,8 @@ def run(cells: int) -> dict:
 
         results["latency"]["fresh isolated worker"] = _stats(_timed(fresh_worker, max(5, cells // 20)))
         SLOTS.give(slot)
-        results["latency"]["fresh python -c"] = _stats(_timed(
-            lambda: subprocess.run([sys.executable, "-I", "-c", CELL], capture_output=True, check=True), max(10, cells // 4)))
+        fresh = lambda: subprocess.run([sys.executable, "-I", "-c", CELL], capture_output=True, check=True)  # noqa: E731
+        results["latency"]["fresh python -c"] = _stats(_timed(fresh, max(10, cells // 4)))
 
         async def burst(callers: int, total: int) -> float:
             sem = asyncio.Semaphore(callers)

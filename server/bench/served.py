@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -18,9 +19,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional, Sequence
 
 from aimo_spec.protocol import Delta, Final, Request, SamplingParams
+from server.tables import format_table
 
 ROOT = Path(__file__).resolve().parents[2]
 QUESTION = "What is the sum of the first 20 primes?"
@@ -113,3 +115,42 @@ def measure_served(program: list[str], connect: Callable[[], Any], ready: Callab
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     return via, startup
+
+
+# (row name, figure of `load`, digits, name of the served/direct ratio or None)
+Measure = tuple[str, str, int, Optional[str]]
+HEADERS = {"tok_s": "tok/s", "token_ms": "ms/tok", "ttft_ms": "TTFT ms"}
+
+
+def side_by_side(levels: list[int], direct: dict[int, dict], served: dict[int, dict], name: str,
+                 measures: Sequence[Measure]) -> list[dict[str, Any]]:
+    """One row a concurrency level: each measure direct and served (`name`), and their ratio."""
+    rows = []
+    for n in levels:
+        row: dict[str, Any] = {"concurrent": n}
+        for what, figure, digits, ratio in measures:
+            row[f"direct_{what}"] = round(direct[n][figure], digits)
+            row[f"{name}_{what}"] = round(served[n][figure], digits)
+            if ratio:
+                row[ratio] = round(served[n][figure] / direct[n][figure], 3)
+        rows.append(row)
+    return rows
+
+
+def report(args: argparse.Namespace, title: str, name: str, measures: Sequence[Measure], rows: list[dict[str, Any]],
+           record: dict[str, Any]) -> None:
+    """The table on stdout; with --out, `record` and the rows as JSON."""
+    columns = [("concurrent", "concurrent", ">10")]
+    for what, _, _, ratio in measures:
+        for side in ("direct", name):
+            header = f"{side} {HEADERS[what]}"
+            columns.append((header, f"{side}_{what}", f">{max(len(header), 6)}"))
+        if ratio:
+            columns.append(("ratio", ratio, ">6"))
+    print(title)
+    print(format_table(rows, columns))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({**record, "tokens": args.tokens, "repeats": args.repeats,
+                                        "date": time.strftime("%Y-%m-%d"), "rows": rows}, indent=2))
+        print(f"[bench] wrote {args.out}", file=sys.stderr)

@@ -8,8 +8,8 @@
    - the same engine, the same requests one at a time (sequential),
    - transformers' own continuous batching (`generate_batch`) on the same weights: the library
      alternative, measured so that the choice of scheduler is a measured one.
-   The median of `--repeats` runs is reported (`--library-repeats` for the library), with the ratios in-flight / sequential and
-   in-flight / library.
+   The median of `--repeats` runs is reported (`--library-repeats` for the library), with the ratios
+   in-flight / sequential and in-flight / library.
 2. Harness overhead: the solver (TIR client, sandbox, voting) on shipped problems; client work on
    streamed deltas plus the engine's scheduling bookkeeping, per generated token, as a fraction of
    the model's forward time per token.
@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from aimo_spec.protocol import Final, Request, SamplingParams
+from server.tables import format_table
 
 
 def log(msg: str) -> None:
@@ -78,9 +79,9 @@ def library_throughput(model: Any, tokenizer: Any, prompts: list[list[int]], tok
 
 
 def harness_overhead(recipe: Any, engine: Any, problems_file: str, limit: int) -> dict[str, Any]:
+    from server.assembly import build_solver, sandbox_for
     from server.budget import TimeBudget
     from server.problems import read_problems, run_problems
-    from server.assembly import build_solver, sandbox_for
 
     problems = read_problems(problems_file)[:limit]
     sandbox = sandbox_for(recipe.serving.tool)
@@ -123,9 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench/serving.json")
     args = ap.parse_args(argv)
 
-    from server.embedded.engine import EmbeddedEngine
-    from server.backends import open_for_recipe
     from aimo_spec.recipe import load_recipe
+    from server.backends import open_for_recipe
+    from server.embedded.engine import EmbeddedEngine
 
     recipe = load_recipe(args.recipe)
     engine: EmbeddedEngine = open_for_recipe(recipe, "embedded")
@@ -154,15 +155,13 @@ def main(argv: list[str] | None = None) -> int:
     overhead = harness_overhead(recipe, engine, args.problems, args.harness_problems)
     engine.shutdown()
 
-    head = f"{'concurrent':>10} {'in-flight':>10} {'sequential':>10} {'library CB':>10} {'in-flight/seq':>13} {'in-flight/lib':>13}"
-    print(f"embedded engine ({recipe.build.quantization}, {args.tokens} tokens per request, median of {args.repeats}); aggregate tok/s")
-    print(head)
-    for r in rows:
-        lib = r.get("library_cb_tok_s")
-        lib_s = f"{lib:.1f}" if lib else "-"
-        ratio_s = f"{r['in_flight_vs_library']:.2f}" if lib else "-"
-        print(f"{r['concurrency']:>10} {r['in_flight_tok_s']:>10.1f} {r['sequential_tok_s']:>10.1f} {lib_s:>10} "
-              f"{r['in_flight_vs_sequential']:>13.2f} {ratio_s:>13}")
+    print(f"embedded engine ({recipe.build.quantization}, {args.tokens} tokens per request, "
+          f"median of {args.repeats}); aggregate tok/s")
+    print(format_table(rows, [("concurrent", "concurrency", ">10"), ("in-flight", "in_flight_tok_s", ">10.1f"),
+                              ("sequential", "sequential_tok_s", ">10.1f"),
+                              ("library CB", "library_cb_tok_s", ">10.1f"),
+                              ("in-flight/seq", "in_flight_vs_sequential", ">13.2f"),
+                              ("in-flight/lib", "in_flight_vs_library", ">13.2f")]))
     o = overhead
     print(f"harness ({o['problems']} problems, {o['tokens']} tokens, {o['tokens_per_second']:.1f} tok/s whole run): "
           f"forward {o['forward_ms_per_token']:.2f} ms/token, sampling {o['sampling_ms_per_token']:.2f}, "

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Optional
 
+from server.tables import format_table
 
 
 def log(msg: str) -> None:
@@ -181,9 +182,9 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     import torch
 
+    from aimo_spec.recipe import load_recipe
     from server.embedded.settings import resolve_device, serving_settings
     from server.embedded.speculative import DEFAULT_MAX_BATCH
-    from aimo_spec.recipe import load_recipe
 
     recipe = load_recipe(args.recipe, check_paths=False)  # serving needs the built engine, not the sources
     serving = serving_settings(recipe, device=args.device)
@@ -213,13 +214,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"speculative decoding on {report['device']} ({args.workload} workload, {args.tokens} tokens, median of {args.repeats}; "
+    print(f"speculative decoding on {report['device']} ({args.workload} workload, {args.tokens} tokens, "
+          f"median of {args.repeats}; "
           f"offline tokens/step {offline_tps})")
-    print(f"{'mode':>15} {'batch':>5} {'with':>9} {'without':>9} {'speedup':>8} {'tok/step':>9} {'vs offline':>10}")
-    for r in rows:
-        rel = f"{r['tokens_per_step'] / offline_tps:.2f}" if offline_tps else "-"
-        print(f"{r['mode']:>15} {r['batch']:>5} {r['with_drafter_tok_s']:>9.1f} {r['without_tok_s']:>9.1f} "
-              f"{r['speedup']:>7.2f}x {r['tokens_per_step']:>9.2f} {rel:>10}")
+    shown = [{**r, "speedup_x": f"{r['speedup']:.2f}x",
+              "vs_offline": r["tokens_per_step"] / offline_tps if offline_tps else None} for r in rows]
+    print(format_table(shown, [("mode", "mode", ">15"), ("batch", "batch", ">5"),
+                               ("with", "with_drafter_tok_s", ">9.1f"), ("without", "without_tok_s", ">9.1f"),
+                               ("speedup", "speedup_x", ">8"), ("tok/step", "tokens_per_step", ">9.2f"),
+                               ("vs offline", "vs_offline", ">10.2f")]))
     print(f"drafting wins up to batch {report['largest_winning_batch']} (of {batches}); the engine's default "
           f"switch-off for {dev.type}: above {report['default_max_batch']}")
     return 0

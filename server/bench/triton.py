@@ -11,11 +11,10 @@ to ready, model load included).
 
 from __future__ import annotations
 
-import json
 import sys
 from typing import Any, Optional
 
-from server.bench.served import arguments, free_port, measure_direct, measure_served
+from server.bench.served import arguments, free_port, measure_direct, measure_served, report, side_by_side
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -35,23 +34,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                                                      else args.engine), connect_timeout=300)
     via, startup = measure_served(program, connect, lambda engine, s: f"Triton server ready in {s:.1f}s",
                                   prompt, levels, args.tokens, args.repeats)
-    rows = [{"concurrent": n, "direct_tok_s": round(base[n]["tok_s"], 1), "triton_tok_s": round(via[n]["tok_s"], 1),
-             "throughput_ratio": round(via[n]["tok_s"] / base[n]["tok_s"], 3),
-             "direct_token_ms": round(base[n]["stream_token_ms"], 2),
-             "triton_token_ms": round(via[n]["stream_token_ms"], 2),
-             "latency_ratio": round(via[n]["stream_token_ms"] / base[n]["stream_token_ms"], 3)} for n in levels]
-    print(f"Triton (PyTriton tritonserver, gRPC streaming) vs the embedded engine directly; server startup "
-          f"{startup:.1f}s")
-    print(f"{'concurrent':>10} {'direct tok/s':>12} {'triton tok/s':>12} {'ratio':>6} {'direct ms/tok':>13} "
-          f"{'triton ms/tok':>13} {'ratio':>6}")
-    for r in rows:
-        print(f"{r['concurrent']:>10} {r['direct_tok_s']:>12} {r['triton_tok_s']:>12} {r['throughput_ratio']:>6} "
-              f"{r['direct_token_ms']:>13} {r['triton_token_ms']:>13} {r['latency_ratio']:>6}")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"startup_seconds": round(startup, 2), "tokens": args.tokens,
-                                        "repeats": args.repeats, "rows": rows}, indent=2))
-        print(f"[bench] wrote {args.out}", file=sys.stderr)
+    measures = [("tok_s", "tok_s", 1, "throughput_ratio"), ("token_ms", "stream_token_ms", 2, "latency_ratio")]
+    report(args, f"Triton (PyTriton tritonserver, gRPC streaming) vs the embedded engine directly; server startup "
+                 f"{startup:.1f}s", "triton", measures, side_by_side(levels, base, via, "triton", measures),
+           {"startup_seconds": round(startup, 2), "engine": str(args.engine)})
     return 0
 
 

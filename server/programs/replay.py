@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 from server.replay import VOTES, parse_rule, replay, vote_accuracy
+from server.tables import format_table
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -67,15 +68,14 @@ def main(argv: Optional[list[str]] = None) -> int:
                 rows.append({"policy": policy, **r})
     print(f"Replay of {variant} ({len(problems)} problems, {args.runs} shuffled runs each) from {args.eval}")
     print(f"Votes over all recorded samples (weight cap {cap}):")
-    print(f"{'vote':<14} {'correct':>8} {'accuracy':>9} {'differs from majority':>22} {'samples with logprobs':>22}")
-    for a in accuracy:
-        print(f"{a['vote']:<14} {a['correct']:>4}/{a['problems']:<3} {a['accuracy']:>9} "
-              f"{a['differs_from_majority']:>22} {a['samples_with_logprobs']:>22}")
-    print(f"{'policy':<7} {'rule':<9} {'vote':<14} {'expected score':>14} {'stdev':>6} {'min':>4} {'max':>4} "
-          f"{'time left s':>11}")
-    for r in rows:
-        print(f"{r['policy']:<7} {r['rule']:<9} {r['vote']:<14} {r['expected_score']:>14} {r['score_stdev']:>6} "
-              f"{r['min_score']:>4} {r['max_score']:>4} {r['mean_time_left']:>11}")
+    print(format_table([{**a, "of": f"{a['correct']:>4}/{a['problems']:<3}"} for a in accuracy],
+                       [("vote", "vote", "<14"), ("correct", "of", ">8"), ("accuracy", "accuracy", ">9"),
+                        ("differs from majority", "differs_from_majority", ">22"),
+                        ("samples with logprobs", "samples_with_logprobs", ">22")]))
+    print(format_table(rows, [("policy", "policy", "<7"), ("rule", "rule", "<9"), ("vote", "vote", "<14"),
+                              ("expected score", "expected_score", ">14"), ("stdev", "score_stdev", ">6"),
+                              ("min", "min_score", ">4"), ("max", "max_score", ">4"),
+                              ("time left s", "mean_time_left", ">11")]))
     if args.out:
         args.out.write_text(json.dumps({"variant": variant, "votes": accuracy, "rows": rows}, indent=2))
     return 0
