@@ -61,3 +61,62 @@ def test_loader_refuses_a_quantized_weight_without_scale(tmp_path, tiny_models):
     (tmp_path / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "W8A16"}}))
     with pytest.raises(ValueError, match="weight_scale is missing"):
         load_model(tmp_path)
+
+
+def _fp8_linears(outs: list[int], k: int, input_scales: list[float], bias: bool, seed: int = 0) -> list[Fp8Linear]:
+    g = torch.Generator().manual_seed(seed)
+    mods = []
+    for i, (n, xs) in enumerate(zip(outs, input_scales)):
+        w = torch.randn(n, k, generator=g) * (i + 1)
+        ws = w.abs().max() / FP8_MAX
+        b = torch.randn(n, generator=g) if bias else None
+        mods.append(Fp8Linear((w / ws).to(torch.float8_e4m3fn), ws, torch.tensor(xs), b, torch.bfloat16))
+    return mods
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp8_linears_of_one_input_concatenate_into_one_with_the_same_outputs(bias):
+    mods = _fp8_linears([24, 8, 8], 32, [0.01, 0.01, 0.01], bias)
+    fused = Fp8Linear.concatenate(mods)
+    assert fused is not None and fused.out_features == 40 and fused.weight_scale.shape == (40,)
+    x = torch.randn(3, 32, dtype=torch.bfloat16)
+    want = torch.cat([m(x) for m in mods], -1)
+    torch.testing.assert_close(fused(x), want, rtol=0, atol=0)  # one quantization of x, each channel its scale
+    torch.testing.assert_close(fused.dequantized(), torch.cat([m.dequantized() for m in mods], 0), rtol=0, atol=0)
+
+
+def test_fp8_linears_with_one_weight_scale_keep_a_single_scale_when_concatenated():
+    a, b = _fp8_linears([8, 8], 16, [0.02, 0.02], False)
+    b.weight_scale = a.weight_scale.clone()
+    fused = Fp8Linear.concatenate([a, b])
+    assert fused is not None and fused.weight_scale.numel() == 1
+
+
+def test_fp8_linears_that_quantize_their_input_differently_are_not_concatenated():
+    assert Fp8Linear.concatenate(_fp8_linears([8, 8], 16, [0.01, 0.02], False)) is None
+    a, b = _fp8_linears([8, 8], 16, [0.01, 0.01], True)
+    b.bias = None
+    assert Fp8Linear.concatenate([a, b]) is None
+
+
+def test_the_graph_runner_fuses_fp8_projections_with_the_same_logits(tiny_models):
+    """FP8 q/k/v and gate/up sharing their input scale run as one GEMM each (Fp8Linear.concatenate) and
+    give the separate layers' logits; here on the CPU's exact emulation, as ModelOpt's FP8 export serves."""
+    from server.bench.gpu import quantize_linears
+    from server.embedded.graph_runner import GraphRunner
+    from server.embedded.loader import load_model
+
+    model = load_model(tiny_models["qwen-tir"])
+    quantize_linears(model, "fp8")  # per-tensor weight scales, one input scale: every layer's projections fuse
+    fused, apart = GraphRunner(model, 2, 64, fuse=True), GraphRunner(model, 2, 64, fuse=False)
+    assert all(isinstance(layer.qkv, Fp8Linear) and isinstance(layer.gate_up, Fp8Linear) for layer in fused.layers)
+    for r in (fused, apart):
+        r.prefill(0, [1, 5, 9, 22, 40], 0)
+        r.prefill(1, [3, 4, 8], 0)
+    toks, pos = [5, 6], [5, 3]
+    for _ in range(6):
+        a, b = fused.decode(toks, pos), apart.decode(toks, pos)
+        # the same products and scales; only a BLAS may block a wider GEMM's sums differently (equal here)
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-3 * float(b.abs().max()))
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+        toks, pos = b.argmax(-1).tolist(), [p + 1 for p in pos]

@@ -98,7 +98,18 @@ def _kernels():
             acc += tl.load(b_ptr + n, mask=live, other=0.0).to(tl.float32)
         tl.store(out_ptr + idx, acc.to(out_ptr.dtype.element_ty), mask=live)
 
-    return w8_gemm, reduce_splits
+    @triton.jit
+    def quantize_e4m3(x_ptr, s_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        """out = e4m3(clamp(x / scale, +-448)): an FP8 GEMM's activation in one launch (eager torch takes
+        four: widen, divide, clamp, cast). IEEE division and round-to-nearest-even, as torch rounds."""
+        idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        live = idx < n
+        x = tl.load(x_ptr + idx, mask=live, other=0.0).to(tl.float32)
+        y = tl.math.div_rn(x, tl.load(s_ptr).to(tl.float32))
+        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+        tl.store(out_ptr + idx, y.to(tl.float8e4nv), mask=live)
+
+    return w8_gemm, reduce_splits, quantize_e4m3
 
 
 def _split(m_tiles: int, n_tiles: int, k_blocks: int, sms: int) -> int:
@@ -138,7 +149,7 @@ def weight_only_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     b = bias if bias is not None else out  # an unused pointer without a bias
-    gemm, reduce = _kernels()
+    gemm, reduce, _ = _kernels()
     gemm[(n_tiles, m_tiles, split)](x2, weight, scale, b, out, part, m, n, x2.stride(0), weight.stride(0), K=k,
                                     STEPS=-(-k_blocks // split), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                                     SPLIT=split, PER_CHANNEL=per_channel, HAS_BIAS=bias is not None,
@@ -156,17 +167,36 @@ def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bia
     return weight_only_linear(x, weight, scale, bias, config, split)
 
 
+def quantize_e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """e4m3(clamp(x / scale, +-448)) in one Triton launch: the same values as the eager
+    `(x.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)`."""
+    x = x.contiguous()
+    out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    block = 1024
+    _kernels()[2][(-(-x.numel() // block),)](x, scale, out, x.numel(), BLOCK=block)
+    return out
+
+
 def fp8_linear(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tensor,
                input_scale: Optional[torch.Tensor], bias: Optional[torch.Tensor],
                out_dtype: torch.dtype) -> torch.Tensor:
-    """Per-tensor FP8: x / input_scale -> e4m3, one `_scaled_mm` with both scales (fp32 accumulate)."""
+    """FP8: x / input_scale -> e4m3, one `_scaled_mm` with both scales (fp32 accumulate). `weight_scale`
+    is one value (ModelOpt's per-tensor scale) or one per output channel (linears of one input
+    concatenated, `Fp8Linear.concatenate`), which runs as `_scaled_mm`'s row-wise scaling."""
     shape = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if input_scale is None:  # weight-only FP8 checkpoint: quantise the activation dynamically
         input_scale = (x2.abs().amax().float() / FP8_MAX).clamp_min(1e-12)
-    xq = (x2.float() / input_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    y = torch._scaled_mm(xq, weight_fp8.t(), scale_a=input_scale.reshape(()).float(),
-                         scale_b=weight_scale.reshape(()).float(), bias=None, out_dtype=out_dtype)
+    if x2.is_cuda and available()["w8a16"]:
+        xq = quantize_e4m3(x2, input_scale)
+    else:
+        xq = (x2.float() / input_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    if weight_scale.numel() == 1:
+        scale_a, scale_b = input_scale.reshape(()).float(), weight_scale.reshape(()).float()
+    else:  # row-wise: one scale a row of x (all the same here), one an output channel
+        scale_a = input_scale.reshape(1, 1).float().expand(x2.shape[0], 1).contiguous()
+        scale_b = weight_scale.reshape(1, -1).float()
+    y = torch._scaled_mm(xq, weight_fp8.t(), scale_a=scale_a, scale_b=scale_b, bias=None, out_dtype=out_dtype)
     if bias is not None:
         y = y + bias.to(out_dtype)
     return y.reshape(*shape, weight_fp8.shape[0])

@@ -7,9 +7,10 @@ small model (gpt-fast's lesson):
 - **Static KV**: one preallocated tensor per layer for K and V, `[slots + 1, kv_heads, max_seq_len,
   head_dim]`; nothing grows inside a step. The extra slot is scratch: padded rows of a batch bucket
   write there, so parked slots (kept for prefix reuse) are never touched.
-- **Fused projections**: q/k/v and gate/up are concatenated into one GEMM each (bf16 weights, and
-  int8 weight-only with per-channel scales, where concatenating is exact); FP8 layers keep their
-  per-tensor scales and run as they are.
+- **Fused projections**: q/k/v and gate/up are concatenated into one GEMM each (bf16 weights;
+  int8 weight-only with per-channel scales; FP8 where the linears share their input scale, each
+  output channel keeping its module's weight scale: the activation is quantized once, exactly as
+  each would quantize it).
 - **Decode attention without GQA expansion**, in one of three forms (`attention`; `auto` picks per
   step shape from measurements, `attention_form`): `rows`, the `group`
   query heads of one KV head laid out as `group` query rows of one SDPA over that head's keys (the
@@ -42,10 +43,11 @@ import torch.nn.functional as F
 from server.embedded.base_runner import BaseRunner, Draft
 from server.embedded.decode_attention import interpreted, split_kv_attention, write_kv
 from server.embedded.fused_ops import add_rms_norm, rope_write_kv, silu_mul
-from server.embedded.qlinear import Int8WeightOnlyLinear
+from server.embedded.qlinear import Fp8Linear, Int8WeightOnlyLinear
 from server.embedded.transfer import copy_into
 
 FUSED_OPS_ENV = "EMBEDDED_FUSED_OPS"  # 0: eager elementwise ops on CUDA too, for side-by-side measurements
+FP8_FUSE_ENV = "EMBEDDED_FP8_FUSE"  # 0: FP8 q/k/v and gate/up as separate GEMMs, for side-by-side measurements
 ATTENTION_ENV = "EMBEDDED_ATTENTION"  # rows|gqa|split: the decode attention's form, for side-by-side measurements
 ATTENTION_FORMS = ("auto", "rows", "gqa", "split")
 # `auto` on CUDA, from bench/attention-h200.json (one layer, CUDA-graph replays): the split-KV kernel for
@@ -95,6 +97,10 @@ def _fuse(mods: list[Any]) -> Callable[[torch.Tensor], torch.Tensor]:
                                      None if mods[0].bias is None else torch.cat([m.bias for m in mods], 0),
                                      mods[0].scale.dtype)
         return fused
+    if all(isinstance(m, Fp8Linear) for m in mods) and os.environ.get(FP8_FUSE_ENV, "1") != "0":
+        fp8 = Fp8Linear.concatenate(mods)
+        if fp8 is not None:
+            return fp8
     return lambda x: torch.cat([m(x) for m in mods], -1)
 
 

@@ -6,6 +6,8 @@ so the embedded runtime replaces each quantized Linear with one of these.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -107,7 +109,36 @@ class Fp8Linear(torch.nn.Module):
         return y.to(self.dtype)
 
     def dequantized(self) -> torch.Tensor:
-        return self.weight_e4m3.float() * self.weight_scale
+        scale = self.weight_scale
+        return self.weight_e4m3.float() * (scale if scale.numel() == 1 else scale[:, None])
+
+    @classmethod
+    def concatenate(cls, mods: list["Fp8Linear"]) -> Optional["Fp8Linear"]:
+        """Linears of one input (q/k/v, gate/up) as one: their e4m3 weights stacked, each output channel
+        keeping its own module's weight scale (one value where they all agree, else one a channel), so
+        one activation quantization and one GEMM serve them all. None where they do not share the
+        input scale or their bias kind: quantizing the activation once would then change numbers."""
+        first = mods[0]
+        if first.input_scale is None:
+            same_input = all(m.input_scale is None for m in mods)
+        else:
+            same_input = all(m.input_scale is not None and torch.equal(m.input_scale, first.input_scale) for m in mods)
+        if not same_input or any((m.bias is None) != (first.bias is None) for m in mods):
+            return None
+        fused = cls.__new__(cls)
+        torch.nn.Module.__init__(fused)
+        fused.in_features, fused.dtype = first.in_features, first.dtype
+        fused.out_features = sum(m.out_features for m in mods)
+        fused.register_buffer("weight_e4m3", torch.cat([m.weight_e4m3 for m in mods], 0))
+        scales = [m.weight_scale for m in mods]
+        if all(torch.equal(s, scales[0]) for s in scales):
+            fused.register_buffer("weight_scale", scales[0].clone())
+        else:
+            fused.register_buffer("weight_scale", torch.cat([s.reshape(1).expand(m.out_features)
+                                                             for s, m in zip(scales, mods)]))
+        fused.register_buffer("input_scale", first.input_scale)
+        fused.register_buffer("bias", None if first.bias is None else torch.cat([m.bias for m in mods], 0))
+        return fused
 
 
 def _gpu(kernel: str) -> bool:
