@@ -233,15 +233,10 @@ class EmbeddedEngine(EngineBase):
     def _emit(self, s: Seq, tok: int, top: Any) -> bool:
         """Hand one new token to its request; True when that ended the request (end of sequence, a
         stop string, max tokens)."""
-        s.pending = tok
-        eos = (tok in self.eos_ids and not s.params.ignore_eos) or tok in s.params.stop_token_ids
-        matched = s.stream.push((tok,), (top,) if top is not None else None, text=not eos)
-        reason = "stop" if eos or matched is not None else "length" if len(s.generated) >= s.max_new else None
-        if reason is None:
-            return False
-        s.kv_len = min(s.kv_len, len(s.tokens))  # a run cut short: accepted drafts past the end are not kept
-        self._finish(s, reason)
-        return True
+        reason = s.accept(tok, top, self.eos_ids)
+        if reason is not None:
+            self._finish(s, reason)
+        return reason is not None
 
     def _finish(self, seq: Seq, reason: str, error: str = "") -> None:
         if self.scheduler.finish(seq):

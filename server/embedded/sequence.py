@@ -49,6 +49,17 @@ class Seq:
     def tokens(self) -> list[int]:
         return self.stream.prompt + self.stream.generated
 
+    def accept(self, tok: int, top: Any, eos_ids: frozenset[int]) -> Optional[str]:
+        """Take one new token (streamed to the request) and say whether it ends the sequence: "stop" at
+        an end-of-sequence token or a stop string, "length" at max tokens, else None."""
+        self.pending = tok
+        eos = (tok in eos_ids and not self.params.ignore_eos) or tok in self.params.stop_token_ids
+        matched = self.stream.push((tok,), (top,) if top is not None else None, text=not eos)
+        reason = "stop" if eos or matched is not None else "length" if len(self.generated) >= self.max_new else None
+        if reason is not None:  # a run cut short: accepted drafts past the end are not kept
+            self.kv_len = min(self.kv_len, len(self.tokens))
+        return reason
+
 
 @dataclass
 class EngineStats:
