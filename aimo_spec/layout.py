@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ENGINE_FILE = "engine.json"  # what a runtime reads to serve an engine folder
+GGUF_FILE = "model.gguf"  # a model folder holding it (with its tokenizer) is served by llama.cpp
 
 
 @dataclass(frozen=True)

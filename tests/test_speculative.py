@@ -21,7 +21,7 @@ from aimo_spec.protocol import Request, SamplingParams, collect
 from server.embedded import speculative
 from server.embedded.engine import EmbeddedEngine
 from server.embedded.redrafter import DrafterConfig, ReDrafter
-from server.embedded.sampler import row_distribution
+from server.embedded.sampler import draw, row_distribution
 from server.embedded.speculative import SpecConfig, accept_device, accept_host
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40)
@@ -112,11 +112,11 @@ def _wrong_rule(logits, drafts, params, gens):
             ids, probs = row_distribution(logits[i, j], p)
             pd = float(probs[ids == tok].sum())
             if float(torch.rand((), generator=gens[i])) >= pd:
-                out.append((j, int(ids[torch.multinomial(probs, 1, generator=gens[i])])))
+                out.append((j, draw(ids, probs, gens[i])))
                 break
         else:
             ids, probs = row_distribution(logits[i, len(d)], p)
-            out.append((len(d), int(ids[torch.multinomial(probs, 1, generator=gens[i])])))
+            out.append((len(d), draw(ids, probs, gens[i])))
     return out
 
 

@@ -26,12 +26,13 @@ import queue
 import sys
 import threading
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 
-from server.embedded.base_runner import BaseRunner
+from aimo_spec.layout import GGUF_FILE
 from server.embedded.runner import SlotRunner
 from server.embedded.sampler import make_generator
 from server.embedded.scheduler import Scheduler
@@ -53,16 +54,17 @@ class EmbeddedEngine(EngineBase):
                  overlap: Optional[bool] = None):
         """Either a loaded (model, tokenizer) or `load`, which the engine thread runs itself.
 
-        `runner`: auto (graph on CUDA, slot on CPU), graph or slot; `compile`: torch.compile the
-        graph runner's elementwise work. `drafter` (a ReDrafter module or its folder) with
+        `runner`: auto (graph on CUDA, slot on CPU), graph, slot, or llamacpp (a GGUF model loaded by
+        llamacpp_runner.LlamaCppModel, on the CPU); `compile`: torch.compile the graph runner's
+        elementwise work. `drafter` (a ReDrafter module or its folder) with
         `speculative` turns on speculative decoding. `deterministic`: a request's tokens do not depend
         on what else runs (server/embedded/deterministic.py: the slot runner, one row at a time,
         aligned prefill chunks, no drafting). `kv_cache_dtype`: auto (the model's) or fp8 (base_runner.py).
         `overlap`: launch the next decode step before streaming this one's tokens (steps.py); None: on
         for plain steps of the graph runner on a GPU.
         """
-        _check_runner(runner, deterministic)
         self.device = resolve_device(device)
+        _check_runner(runner, deterministic, self.device, drafter, kv_cache_dtype)
         self.deterministic = deterministic
         self.runner_kind = runner if runner != "auto" else (
             "graph" if self.device.type == "cuda" and not deterministic else "slot")
@@ -107,14 +109,14 @@ class EmbeddedEngine(EngineBase):
     def _run(self, model: Any, tokenizer: Any, load: Optional[Callable[[], tuple[Any, Any]]],
              threads: Optional[int]) -> None:
         try:
-            model, tokenizer = _load_here(model, tokenizer, load, threads, self.device)
+            model, tokenizer = _load_here(model, tokenizer, load, threads, self.device, self.runner_kind)
             self.model, self.tokenizer = model, tokenizer
             drafter = None if self.spec is None else prepare_drafter(
                 model, self._drafter_src, self.spec, self.spec_max_batch, self.device)
             # drafts are verified up to draft_len positions past the last token a sequence may keep
             capacity = self.max_seq_len + (self.spec.draft_len if self.spec else 0)
             self.runner = _make_runner(self.runner_kind, model, self.max_batch_size, capacity, self.compile,
-                                       self.kv_cache_dtype)
+                                       self.kv_cache_dtype, threads)
             self.step = (PlainStep(self.runner, self.stats, self._emit, self.deterministic, self.overlap)
                          if drafter is None else
                          SpeculativeStep(self.runner, self.stats, self._emit, *drafter, self.spec, self.spec_max_batch))
@@ -141,12 +143,10 @@ class EmbeddedEngine(EngineBase):
     @classmethod
     def from_dir(cls, engine_dir: str | Path, **overrides: Any) -> "EmbeddedEngine":
         """Serve a folder written by `make engine` (build/embedded/) or a plain HF checkpoint folder;
-        `server.embedded.settings.engine_options` says how its settings are resolved."""
-        from aimo_spec.chat import load_tokenizer
-        from server.embedded.loader import load_model
-
+        `server.embedded.settings.engine_options` says how its settings are resolved. A model folder
+        holding a GGUF file (`GGUF_FILE`, with the tokenizer beside it) runs on the llama.cpp runner."""
         model_dir, kw = engine_options(engine_dir, overrides)
-        return cls(load=lambda: (load_model(model_dir), load_tokenizer(model_dir)), **kw)
+        return cls(load=partial(_load_folder, model_dir, kw.get("runner") == "llamacpp"), **kw)
 
     # ---- the driver (generate, tokenize, detokenize, chat_prompt: EngineBase)
     def _submit(self, stream: RequestStream) -> None:
@@ -275,10 +275,25 @@ def _refuse_queued(inbox: queue.Queue, error: str) -> None:
             arg[1].put((False, RuntimeError(error)))
 
 
+def _load_folder(model_dir: Path, gguf: bool) -> tuple[Any, Any]:
+    """(model, tokenizer) of a model folder: its GGUF file through llama.cpp, or its HF checkpoint."""
+    from aimo_spec.chat import load_tokenizer
+
+    if gguf:
+        from server.embedded.llamacpp_runner import LlamaCppModel
+
+        return LlamaCppModel.load(model_dir / GGUF_FILE), load_tokenizer(model_dir)
+    from server.embedded.loader import load_model
+
+    return load_model(model_dir), load_tokenizer(model_dir)
+
+
 def _load_here(model: Any, tokenizer: Any, load: Optional[Callable[[], tuple[Any, Any]]], threads: Optional[int],
-               device: torch.device) -> tuple[Any, Any]:
+               device: torch.device, runner: str) -> tuple[Any, Any]:
     """(model on `device`, tokenizer), loaded by the calling thread (the engine's) with its thread count set."""
-    if threads or not os.environ.get("OMP_NUM_THREADS"):
+    if runner == "llamacpp":  # llama.cpp's own threads run the forward; torch's OpenMP pool, spinning after
+        torch.set_num_threads(1)  # the sampler's ops, cost it a core (single stream 130 -> 144 tok/s, measured)
+    elif threads or not os.environ.get("OMP_NUM_THREADS"):
         torch.set_num_threads(threads or max(1, os.cpu_count() or 1))
     if load is not None:
         model, tokenizer = load()
@@ -287,19 +302,30 @@ def _load_here(model: Any, tokenizer: Any, load: Optional[Callable[[], tuple[Any
     return model, tokenizer
 
 
-def _make_runner(kind: str, model: Any, slots: int, capacity: int, compile: bool, kv_cache_dtype: str) -> BaseRunner:
+def _make_runner(kind: str, model: Any, slots: int, capacity: int, compile: bool, kv_cache_dtype: str,
+                 threads: Optional[int]) -> Any:
     if kind == "graph":
         from server.embedded.graph_runner import GraphRunner
 
         return GraphRunner(model, slots, capacity, compile=compile, kv_cache_dtype=kv_cache_dtype)
+    if kind == "llamacpp":
+        from server.embedded.llamacpp_runner import LlamaCppRunner
+
+        return LlamaCppRunner(model, slots, capacity, threads=threads)
     return SlotRunner(model, slots, capacity, kv_cache_dtype=kv_cache_dtype)
 
 
-def _check_runner(runner: str, deterministic: bool) -> None:
-    if runner not in ("auto", "graph", "slot"):
-        raise ValueError(f"EmbeddedEngine: runner must be auto, graph or slot (got {runner!r})")
-    if deterministic and runner == "graph":
+def _check_runner(runner: str, deterministic: bool, device: torch.device, drafter: Any, kv_cache_dtype: str) -> None:
+    if runner not in ("auto", "graph", "slot", "llamacpp"):
+        raise ValueError(f"EmbeddedEngine: runner must be auto, graph, slot or llamacpp (got {runner!r})")
+    if deterministic and runner in ("graph", "llamacpp"):
         raise ValueError("EmbeddedEngine: deterministic mode runs on the slot runner (runner='slot' or 'auto')")
+    if runner == "llamacpp":
+        refused = [what for what, on in (("a GPU device", device.type != "cpu"), ("speculative decoding", drafter),
+                                           ("an FP8 KV cache", kv_cache_dtype != "auto")) if on]
+        if refused:
+            raise ValueError(f"EmbeddedEngine: the llama.cpp runner runs on the CPU with its own cache and no "
+                             f"drafter; not with {', '.join(refused)}")
 
 
 def _speculation(drafter: Any, speculative: Optional[SpecConfig], deterministic: bool

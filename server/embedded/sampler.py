@@ -45,11 +45,21 @@ def row_distribution(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Ten
     return top_i, top_p / top_p.sum()
 
 
+def draw(ids: torch.Tensor, probs: torch.Tensor, gen: torch.Generator) -> int:
+    """One token of the distribution (ids, probs; not necessarily normalised) drawn with `gen`, as an
+    exponential race: the argmax of p / E with E = -log(U), U uniform: what `torch.multinomial` of one
+    sample computes, whose `exponential_` takes ~1.2 ms over a 49k vocabulary on a CPU core (this
+    ~0.3 ms). Not by inverting the cumulative sum (cheaper still), whose boundaries move with every
+    rounding of the logits: a batch's other rows then changed a seeded draw (the Triton test). A
+    token of probability 0 is never drawn."""
+    race = probs / -torch.log(torch.rand(probs.shape, generator=gen, dtype=probs.dtype, device=probs.device))
+    return int(ids[int(torch.argmax(race))])
+
+
 def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:
     if p.temperature == 0:
         return int(torch.argmax(logits))
-    ids, probs = row_distribution(logits, p)
-    return int(ids[torch.multinomial(probs, 1, generator=gen)])
+    return draw(*row_distribution(logits, p), gen)
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams], gens: Sequence[torch.Generator]

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from aimo_spec.jsonfile import read_json
-from aimo_spec.layout import ENGINE_FILE
+from aimo_spec.layout import ENGINE_FILE, GGUF_FILE
 from aimo_spec.recipe import Recipe, ServingSpec
 
 if TYPE_CHECKING:
@@ -114,10 +114,13 @@ def engine_options(engine_dir: str | Path, overrides: dict[str, Any]) -> tuple[P
         kw.update(max_batch_size=limits["max_batch_size"], max_seq_len=limits["max_seq_len"],
                   max_input_len=limits["max_input_len"],
                   **speculation(engine_dir, spec, mode, max_batch))
-    elif (engine_dir / "config.json").is_file():
+    elif (engine_dir / "config.json").is_file() or (engine_dir / GGUF_FILE).is_file():
         model_dir = engine_dir  # a plain checkpoint: no drafter, and EmbeddedEngine's defaults for the limits
     else:
         raise FileNotFoundError(f"{engine_dir}: neither an embedded engine (engine.json) nor an HF checkpoint "
-                                "(config.json); run `make engine` first")
+                                f"(config.json) nor a GGUF model ({GGUF_FILE}); run `make engine` first")
+    if (model_dir / GGUF_FILE).is_file():  # llama.cpp serves it: on the CPU, its own cache, no drafter
+        kw.update(runner="llamacpp", device="cpu", kv_cache_dtype="auto")
+        kw.pop("drafter", None), kw.pop("speculative", None)
     kw.update(overrides)
     return model_dir, kw

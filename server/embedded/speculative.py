@@ -30,7 +30,7 @@ from typing import Optional, Sequence
 import torch
 
 from aimo_spec.protocol import SamplingParams
-from server.embedded.sampler import _keep_sorted, gumbel_noise, row_distribution
+from server.embedded.sampler import _keep_sorted, draw, gumbel_noise, row_distribution
 
 # Largest running batch that still drafts, per device type, when the recipe leaves it at 0; above it
 # the engine decodes one token per step. Measured by `make bench` (server/bench/speculative.py) on the
@@ -81,9 +81,9 @@ def _accept_sampled_row(logits: torch.Tensor, drafts: Sequence[int], p: Sampling
         if hit.numel():  # the residual max(0, P - q): P without the rejected draft
             probs = probs.clone()
             probs[hit[0, 0]] = 0.0
-        return j, int(ids[torch.multinomial(probs, 1, generator=gen)])
+        return j, draw(ids, probs, gen)
     ids, probs = row_distribution(logits[len(drafts)], p)
-    return len(drafts), int(ids[torch.multinomial(probs, 1, generator=gen)])
+    return len(drafts), draw(ids, probs, gen)
 
 
 def _uniform(seeds: torch.Tensor, steps: torch.Tensor, salt: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,199 @@
+"""The embedded engine's forward on llama.cpp: a GGUF model behind the runner interface, for CPUs.
+
+On a CPU the decode step of a small model is bound by bytes and by the cost of each operation;
+llama.cpp's quantized kernels (Q8_0, Q4_x: blocks of 32 weights with their own scale) read a half or
+a quarter of bf16's bytes and run about 4x faster than PyTorch's eager step on the same 2-core
+machine (issue 23). So the engine keeps everything it does itself (scheduling, prefix reuse,
+sampling, stop strings, streaming) and hands only the forward and the KV cache to llama.cpp, through
+llama-cpp-python's low-level bindings (`llama_decode` over a batch of sequences).
+
+How the runner interface maps onto llama.cpp: slot i is llama.cpp sequence i, with its own KV
+stream of `max_seq_len` cells (allocated whole, as the GPU runner's static cache), plus one scratch
+stream. `copy` copies a whole stream (llama.cpp copies between streams only whole) and removes the
+tail; `swap` is three such copies through the scratch stream. Slots keep their sequence ids because
+llama.cpp puts only consecutive increasing sequence ids in one micro-batch: a decode step over slots
+0..n-1 is one pass over the weights only while they are sequences 0..n-1 (exchanging ids in a table
+instead made every step after a request finished about 1.6x slower, measured). `prefill` first
+removes the slot's cells from `start` on (what follows a reused prefix), and `decode` does the same
+where a row's position was written before, so a slot never holds two cells at one position
+(llama.cpp refuses a batch that would). Not the unified cache (`kv_unified`, where a copy only tags
+cells): measured with llama-cpp-python 0.3.36, a decode row placed in cells freed by another
+sequence's removal got wrong logits (tests/test_llamacpp_runner.py holds the runner to the fresh
+result). Every call returns float32 logits as a torch tensor copied out of llama.cpp's buffer. Not
+available: `verify` and hidden states (no speculative decoding), the FP8 cache, GPUs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+
+def _llama() -> Any:
+    try:
+        import llama_cpp
+        from llama_cpp import _logger
+    except ImportError as e:  # the optional CPU backend: said with how to get it
+        raise ImportError("the llama.cpp runner needs llama-cpp-python (`make setup-llamacpp`, "
+                          "requirements/llamacpp.txt)") from e
+    _logger.set_verbose(False)  # llama.cpp's errors only (it logs every tensor it loads)
+    return llama_cpp
+
+
+@dataclass
+class LlamaCppModel:
+    """A GGUF file loaded by llama.cpp, with what the engine reads from a model: `config` (the end-of-
+    sequence ids, vocabulary size, model type) and `path`."""
+
+    path: Path
+    handle: Any  # llama_model*
+    config: SimpleNamespace
+
+    @classmethod
+    def load(cls, path: str | Path) -> "LlamaCppModel":
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"llama.cpp runner: no GGUF file at {path}")
+        ll = _llama()
+        ll.llama_backend_init()
+        params = ll.llama_model_default_params()
+        handle = ll.llama_model_load_from_file(str(path).encode(), params)
+        if not handle:
+            raise ValueError(f"llama.cpp runner: {path}: llama.cpp could not load this GGUF file")
+        vocab = ll.llama_model_get_vocab(handle)
+        eos = {ll.llama_vocab_eos(vocab), ll.llama_vocab_eot(vocab)} - {-1}
+        config = SimpleNamespace(model_type="gguf", vocab_size=ll.llama_vocab_n_tokens(vocab),
+                                 eos_token_id=sorted(eos), n_ctx_train=ll.llama_model_n_ctx_train(handle))
+        return cls(path, handle, config)
+
+    def __del__(self) -> None:
+        if getattr(self, "handle", None):
+            _llama().llama_model_free(self.handle)
+            self.handle = None
+
+
+class LlamaCppRunner:
+    """Slots 0..num_slots-1 as llama.cpp sequences of one context; see the module docstring."""
+
+    def __init__(self, model: LlamaCppModel, num_slots: int, max_seq_len: int, threads: Optional[int] = None,
+                 batch_tokens: int = 512, kv_cache_dtype: str = "auto"):
+        if kv_cache_dtype != "auto":
+            raise ValueError(f"llama.cpp runner: kv_cache_dtype {kv_cache_dtype!r} is not supported (auto only)")
+        ll = self.ll = _llama()
+        self.model = model
+        self.num_slots, self.max_seq_len = num_slots, max_seq_len
+        self.scratch = num_slots  # the sequence `swap` parks a slot in
+        self.device, self.dtype = torch.device("cpu"), torch.float32
+        self.vocab_size = model.config.vocab_size
+        threads = threads or max(1, os.cpu_count() or 1)
+        params = ll.llama_context_default_params()
+        params.n_ctx = (num_slots + 1) * max_seq_len  # one stream of max_seq_len cells a slot, and the scratch
+        params.n_batch = params.n_ubatch = batch_tokens
+        params.n_seq_max = num_slots + 1
+        params.n_threads = params.n_threads_batch = threads
+        params.kv_unified = False
+        self.ctx = ll.llama_init_from_model(model.handle, params)
+        if not self.ctx:
+            raise ValueError(f"llama.cpp runner: no context of {params.n_ctx} tokens for {model.path}")
+        self.memory = ll.llama_get_memory(self.ctx)
+        self.batch_tokens = batch_tokens
+        self.batch = ll.llama_batch_init(batch_tokens, 0, 1)
+
+    def close(self) -> None:
+        if getattr(self, "ctx", None):
+            self.ll.llama_batch_free(self.batch)
+            self.ll.llama_free(self.ctx)
+            self.ctx = None
+
+    def __del__(self) -> None:
+        self.close()
+
+    # ---- cache management
+    def ensure_capacity(self, length: int) -> None:
+        if length > self.max_seq_len:
+            raise ValueError(f"sequence of {length} tokens exceeds the engine's max_seq_len {self.max_seq_len}")
+
+    def _remove(self, slot: int, start: int = 0) -> None:
+        self.ll.llama_memory_seq_rm(self.memory, slot, start, -1)
+
+    def copy(self, src: int, dst: int, length: int) -> None:
+        """Slot dst := slot src's first `length` positions (the whole stream copied, its tail removed)."""
+        if length <= 0 or src == dst:
+            return
+        self.ll.llama_memory_seq_cp(self.memory, src, dst, -1, -1)
+        self._remove(dst, length)
+
+    def swap(self, a: int, b: int, length: int) -> None:
+        """Exchange the first `length` positions of two slots (what follows is removed)."""
+        if length <= 0 or a == b:
+            return
+        self.copy(a, self.scratch, length)
+        self.copy(b, a, length)
+        self.copy(self.scratch, b, length)
+        self._remove(self.scratch)
+
+    # ---- forward
+    def _run(self, rows: list[tuple[int, int, int, bool]]) -> np.ndarray:
+        """llama_decode over (token, position, slot, wants logits) rows, at most one batch; the logits
+        of the rows that want them, in order, as float32 [n, V]."""
+        b = self.batch
+        b.n_tokens = len(rows)
+        for i, (tok, pos, seq, out) in enumerate(rows):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = tok, pos, 1, out
+            b.seq_id[i][0] = seq
+        rc = self.ll.llama_decode(self.ctx, b)
+        if rc != 0:
+            why = "no room in the KV cache" if rc == 1 else f"llama_decode returned {rc}"
+            raise RuntimeError(f"llama.cpp runner: {why} ({len(rows)} tokens)")
+        n = sum(1 for r in rows if r[3])
+        ptr = ctypes.cast(self.ll.llama_get_logits(self.ctx), ctypes.POINTER(ctypes.c_float))
+        return np.ctypeslib.as_array(ptr, shape=(n, self.vocab_size)).copy()
+
+    def _prefill_logits(self, slot: int, token_ids: list[int], start: int, every: bool) -> np.ndarray:
+        end = start + len(token_ids)
+        self.ensure_capacity(end)
+        if not token_ids:
+            raise ValueError("llama.cpp runner: prefill of no tokens")
+        self._remove(slot, start)
+        outs = []
+        for lo in range(0, len(token_ids), self.batch_tokens):
+            chunk = token_ids[lo:lo + self.batch_tokens]
+            last = lo + len(chunk) == len(token_ids)
+            outs.append(self._run([(t, start + lo + i, slot, every or (last and i == len(chunk) - 1))
+                                   for i, t in enumerate(chunk)]))
+        return np.concatenate(outs)
+
+    def prefill(self, slot: int, token_ids: list[int], start: int, hidden: bool = False) -> torch.Tensor:
+        """Write KV for token_ids at positions [start, start+n) of `slot`; logits [V] of the last one."""
+        _no_hidden(hidden)
+        return torch.from_numpy(self._prefill_logits(slot, list(token_ids), start, every=False)[-1])
+
+    def score(self, slot: int, token_ids: list[int]) -> torch.Tensor:
+        """Prefill from position 0; logits [n, V] after every token (teacher forcing)."""
+        return torch.from_numpy(self._prefill_logits(slot, list(token_ids), 0, every=True))
+
+    def decode(self, token_ids: Any, positions: list[int], hidden: bool = False) -> torch.Tensor:
+        """One token for each slot 0..n-1 at its position; logits [n, V]."""
+        _no_hidden(hidden)
+        if isinstance(token_ids, torch.Tensor):
+            token_ids = token_ids.tolist()
+        for slot, pos in enumerate(positions):
+            self.ensure_capacity(pos + 1)
+            if self.ll.llama_memory_seq_pos_max(self.memory, slot) >= pos:  # a position written before
+                self._remove(slot, pos)
+        return torch.from_numpy(self._run([(int(t), p, s, True) for s, (t, p) in enumerate(zip(token_ids, positions))]))
+
+    def verify(self, token_rows: Any, starts: list[int], hidden: bool = False) -> Any:
+        raise NotImplementedError("llama.cpp runner: no verify step (speculative decoding runs on the torch runners)")
+
+
+def _no_hidden(hidden: bool) -> None:
+    if hidden:
+        raise NotImplementedError("llama.cpp runner: no hidden states (the drafter reads them: torch runners only)")
