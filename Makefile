@@ -241,6 +241,7 @@ bench: build $(TRITON_SETUP)
 	$(PY) -m server.bench.formats --recipe $(RECIPE) --out bench/formats.json
 	$(PY) -m server.bench.speculative --recipe $(RECIPE) --out bench/speculative.json
 	$(PY) -m server.bench.openai --engine $(OUT)/build/embedded --out bench/openai.json
+	$(PY) -m server.bench.llamacpp --out bench/llamacpp.json
 	@$(PY) -m server.bench.report --dir bench
 
 clean:

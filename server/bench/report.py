@@ -56,6 +56,12 @@ def rows(d: Path) -> list[tuple[str, str, str, str]]:
         for r in s["rows"]:
             out.append(("formats", f"{r['format']}, {s['concurrent']} concurrent", f"{r['tok_s']:.1f} tok/s",
                         f"{r['vs_bf16']:.2f}x bf16" if r["vs_bf16"] else ""))
+    if (s := load("llamacpp.json")):
+        for r in s["rows"]:
+            out.append(("llamacpp", f"{r['concurrent']} concurrent, engine on the llama.cpp runner ({s['gguf']})",
+                        f"{r['engine_llamacpp_tok_s']:.1f} tok/s",
+                        f"{r['engine_vs_python']:.2f}x llama-cpp-python; "
+                        f"{r['engine_vs_batched']:.2f}x llama.cpp batched"))
     if (s := load("gpu.json")):  # python -m server.bench.gpu --out bench/gpu.json
         for r in s["rows"]:
             if "engine_tok_s" not in r:  # a configuration that failed: its row names the error
