@@ -163,3 +163,50 @@ def test_graph_runner_steps_with_fused_ops_match_the_eager_steps(tiny_models, kv
             for a, b in ((eager.k[i], fused.k[i]), (eager.v[i], fused.v[i])):
                 same = torch.isclose(b.float(), a.float(), rtol=1e-3, atol=1e-3).float().mean()
                 assert same == 1.0
+
+
+@needs_triton
+def test_norm_and_silu_kernels_quantize_for_the_next_fp8_gemm_as_the_quantize_kernel_does():
+    """With `quant_scale`, add_rms_norm and silu_mul write the e4m3 bytes that quantize_e4m3 makes of
+    their model-dtype output (one launch fewer a GEMM), both run on the same Triton (compiled or not)."""
+    from server.embedded.fused_ops import add_rms_norm, silu_mul
+    from server.embedded.gpu_kernels import quantize_e4m3
+
+    dtype = DTYPES[0]
+    g = torch.Generator().manual_seed(5)
+    res, delta = (torch.randn(3, 96, generator=g).to(dtype).to(DEVICE) for _ in range(2))
+    w = (torch.rand(96, generator=g) + 0.5).to(dtype).to(DEVICE)
+    gu = (torch.randn(3, 2 * 80, generator=g) * 4).to(dtype).to(DEVICE)
+    scale = torch.tensor(0.01, device=DEVICE)
+    for d in (None, delta):
+        summed, normed = add_rms_norm(res, d, w, 1e-6)
+        summed_q, normed_q = add_rms_norm(res, d, w, 1e-6, quant_scale=scale)
+        assert normed_q.dtype == torch.float8_e4m3fn and torch.equal(summed_q, summed)
+        assert torch.equal(normed_q.view(torch.uint8), quantize_e4m3(normed, scale).view(torch.uint8))
+    act_q = silu_mul(gu, quant_scale=scale)
+    assert act_q.dtype == torch.float8_e4m3fn and act_q.shape == (3, 80)
+    assert torch.equal(act_q.view(torch.uint8), quantize_e4m3(silu_mul(gu), scale).view(torch.uint8))
+
+
+@pytest.mark.skipif(not CUDA, reason="FP8 GEMMs (e4m3 weights, _scaled_mm) run on a GPU only")
+def test_graph_runner_fp8_steps_with_fused_ops_match_the_eager_steps(tiny_models):
+    """FP8 weights: the fused kernels quantize the GEMM inputs themselves (norms, SiLU); the steps give
+    the eager path's logits up to rounding and its greedy tokens."""
+    from server.bench.gpu import quantize_linears
+    from server.embedded.graph_runner import GraphRunner
+    from server.embedded.loader import load_model
+
+    model = load_model(tiny_models["qwen-tir"]).to(DEVICE)
+    quantize_linears(model, "fp8")
+    eager = GraphRunner(model, 4, 128, fused_ops=False)
+    fused = GraphRunner(model, 4, 128, fused_ops=True)
+    assert fused.layers[0].qkv_fp8 is not None and fused.layers[0].down_fp8 is not None
+    for r in (eager, fused):
+        r.prefill(0, [1, 5, 9, 22, 40], 0)
+        r.prefill(1, [3, 4], 0)
+    toks, pos = [5, 6], [5, 2]
+    for _ in range(4):
+        la, lb = eager.decode(toks, pos), fused.decode(toks, pos)
+        torch.testing.assert_close(lb, la, rtol=0.05, atol=0.05 * float(la.abs().max()))
+        assert torch.equal(la.argmax(-1), lb.argmax(-1))
+        toks, pos = la.argmax(-1).tolist(), [p + 1 for p in pos]

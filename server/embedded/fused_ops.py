@@ -54,8 +54,8 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def add_rms_norm(res_ptr, delta_ptr, w_ptr, out_res_ptr, out_ptr, stride_r, stride_d, stride_or, stride_o, eps,
-                     H: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr):
+    def add_rms_norm(res_ptr, delta_ptr, w_ptr, out_res_ptr, out_ptr, s_ptr, stride_r, stride_d, stride_or, stride_o,
+                     eps, H: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr, QUANT: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, BLOCK)
         live = c < H
@@ -64,11 +64,16 @@ def _kernels():
             h = (h.to(tl.float32) + tl.load(delta_ptr + row * stride_d + c, mask=live, other=0.0).to(tl.float32))
             h = h.to(out_res_ptr.dtype.element_ty)
             tl.store(out_res_ptr + row * stride_or + c, h, mask=live)
+        dt = out_res_ptr.dtype.element_ty  # the model's dtype
         x = h.to(tl.float32)
         inv = tl.rsqrt(tl.sum(x * x, 0) / H + eps)
-        y = (x * inv).to(out_ptr.dtype.element_ty).to(tl.float32)
+        y = (x * inv).to(dt).to(tl.float32)
         w = tl.load(w_ptr + c, mask=live, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * stride_o + c, (w * y).to(out_ptr.dtype.element_ty), mask=live)
+        out = (w * y).to(dt)
+        if QUANT:  # the next FP8 GEMM's input, as gpu_kernels.quantize_e4m3 makes it from `out`
+            q = tl.math.div_rn(out.to(tl.float32), tl.load(s_ptr).to(tl.float32))
+            out = tl.minimum(tl.maximum(q, -448.0), 448.0).to(tl.float8e4nv)
+        tl.store(out_ptr + row * stride_o + c, out, mask=live)
 
     @triton.jit
     def rope_write_kv(qkv_ptr, cos_ptr, sin_ptr, q_out_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, rows_ptr, pos_ptr,
@@ -113,15 +118,21 @@ def _kernels():
             tl.store(vc_ptr + at + D // 2 + half, v2.to(ct))
 
     @triton.jit
-    def silu_mul(gu_ptr, out_ptr, stride_g, stride_o, INTER: tl.constexpr, BLOCK: tl.constexpr):
+    def silu_mul(gu_ptr, out_ptr, s_ptr, stride_g, stride_o, INTER: tl.constexpr, BLOCK: tl.constexpr,
+                 QUANT: tl.constexpr):
         row, blk = tl.program_id(0).to(tl.int64), tl.program_id(1)
         c = blk * BLOCK + tl.arange(0, BLOCK)
         live = c < INTER
-        g = tl.load(gu_ptr + row * stride_g + c, mask=live, other=0.0).to(tl.float32)
+        g = tl.load(gu_ptr + row * stride_g + c, mask=live, other=0.0)
+        dt = g.dtype  # the model's dtype
+        g = g.to(tl.float32)
         u = tl.load(gu_ptr + row * stride_g + INTER + c, mask=live, other=0.0).to(tl.float32)
-        dt = out_ptr.dtype.element_ty
         act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)  # F.silu rounds before the product
-        tl.store(out_ptr + row * stride_o + c, (act * u).to(dt), mask=live)
+        out = (act * u).to(dt)
+        if QUANT:  # the down projection's FP8 input (the same rounding as in add_rms_norm)
+            q = tl.math.div_rn(out.to(tl.float32), tl.load(s_ptr).to(tl.float32))
+            out = tl.minimum(tl.maximum(q, -448.0), 448.0).to(tl.float8e4nv)
+        tl.store(out_ptr + row * stride_o + c, out, mask=live)
 
     return add_rms_norm, rope_write_kv, silu_mul
 
@@ -133,23 +144,25 @@ def _rows(x: torch.Tensor, what: str) -> torch.Tensor:
     return x
 
 
-def add_rms_norm(residual: torch.Tensor, delta: Optional[torch.Tensor], weight: torch.Tensor, eps: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(residual: torch.Tensor, delta: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
+                 quant_scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`reference_add_rms_norm` in one launch: (residual + delta, its RMSNorm), both [N, H] new
-    tensors (with `delta` None: (residual, its RMSNorm))."""
+    tensors (with `delta` None: (residual, its RMSNorm)). With `quant_scale`, the norm comes out as the
+    FP8 e4m3 input of the GEMM that reads it: `quantize_e4m3(norm, quant_scale)` without a launch of its own."""
     import triton
 
     _rows(residual, "add_rms_norm residual")
     n, hidden = residual.shape
-    out = torch.empty_like(residual)
+    out = torch.empty_like(residual, dtype=torch.float8_e4m3fn if quant_scale is not None else residual.dtype)
     if delta is None:
         summed, d = residual, residual
     else:
         d = _rows(delta, "add_rms_norm delta")
         summed = torch.empty_like(residual)
     block = triton.next_power_of_2(hidden)
-    _kernels()[0][(n,)](residual, d, weight, summed, out, residual.stride(0), d.stride(0), summed.stride(0),
-                        out.stride(0), eps, H=hidden, BLOCK=block, ADD=delta is not None,
+    s = quant_scale if quant_scale is not None else weight  # an unused pointer without quantization
+    _kernels()[0][(n,)](residual, d, weight, summed, out, s, residual.stride(0), d.stride(0), summed.stride(0),
+                        out.stride(0), eps, H=hidden, BLOCK=block, ADD=delta is not None, QUANT=quant_scale is not None,
                         num_warps=min(16, max(1, block // 512)))
     return summed, out
 
@@ -183,12 +196,14 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
 SILU_BLOCK = 1024
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """`reference_silu_mul` in one launch: [N, 2 I] -> [N, I]."""
+def silu_mul(gate_up: torch.Tensor, quant_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`reference_silu_mul` in one launch: [N, 2 I] -> [N, I]; with `quant_scale`, as FP8 e4m3 (see add_rms_norm)."""
     _rows(gate_up, "silu_mul gate_up")
     n, two_i = gate_up.shape
     inter = two_i // 2
-    out = torch.empty((n, inter), dtype=gate_up.dtype, device=gate_up.device)
-    _kernels()[2][(n, -(-inter // SILU_BLOCK))](gate_up, out, gate_up.stride(0), out.stride(0), INTER=inter,
-                                                BLOCK=SILU_BLOCK)
+    dtype = torch.float8_e4m3fn if quant_scale is not None else gate_up.dtype
+    out = torch.empty((n, inter), dtype=dtype, device=gate_up.device)
+    s = quant_scale if quant_scale is not None else gate_up  # an unused pointer without quantization
+    _kernels()[2][(n, -(-inter // SILU_BLOCK))](gate_up, out, s, gate_up.stride(0), out.stride(0), INTER=inter,
+                                                BLOCK=SILU_BLOCK, QUANT=quant_scale is not None)
     return out

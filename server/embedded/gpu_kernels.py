@@ -191,12 +191,17 @@ def fp8_linear(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Te
         xq = quantize_e4m3(x2, input_scale)
     else:
         xq = (x2.float() / input_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return fp8_gemm(xq, weight_fp8, weight_scale, input_scale, bias, out_dtype).reshape(*shape, weight_fp8.shape[0])
+
+
+def fp8_gemm(xq: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor,
+             bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+    """The GEMM of `fp8_linear` on an activation already in e4m3 ([M, K], quantized with `input_scale`,
+    e.g. by the fused norm or SiLU kernel that produced it): [M, N] in out_dtype."""
     if weight_scale.numel() == 1:
         scale_a, scale_b = input_scale.reshape(()).float(), weight_scale.reshape(()).float()
     else:  # row-wise: one scale a row of x (all the same here), one an output channel
-        scale_a = input_scale.reshape(1, 1).float().expand(x2.shape[0], 1).contiguous()
+        scale_a = input_scale.reshape(1, 1).float().expand(xq.shape[0], 1).contiguous()
         scale_b = weight_scale.reshape(1, -1).float()
     y = torch._scaled_mm(xq, weight_fp8.t(), scale_a=scale_a, scale_b=scale_b, bias=None, out_dtype=out_dtype)
-    if bias is not None:
-        y = y + bias.to(out_dtype)
-    return y.reshape(*shape, weight_fp8.shape[0])
+    return y if bias is None else y + bias.to(out_dtype)

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from server.embedded.base_runner import BaseRunner, Draft
 from server.embedded.decode_attention import interpreted, split_kv_attention, write_kv
 from server.embedded.fused_ops import add_rms_norm, rope_write_kv, silu_mul
-from server.embedded.qlinear import Fp8Linear, Int8WeightOnlyLinear
+from server.embedded.qlinear import Fp8Linear, Int8WeightOnlyLinear, project
 from server.embedded.transfer import copy_into
 
 FUSED_OPS_ENV = "EMBEDDED_FUSED_OPS"  # 0: eager elementwise ops on CUDA too, for side-by-side measurements
@@ -127,6 +127,9 @@ class _Layer:
             self.qkv = lambda x: torch.cat([a.q_proj(x), a.k_proj(x), a.v_proj(x)], -1)
             self.gate_up = lambda x: torch.cat([m.gate_proj(x), m.up_proj(x)], -1)
         self.o_proj, self.down, self.act = a.o_proj, m.down_proj, m.act_fn
+        # FP8 GEMMs whose input the fused kernel before them quantizes (None: it stays in the model's dtype)
+        self.qkv_fp8, self.gate_up_fp8, self.down_fp8 = (
+            p.e4m3_input_scale() if isinstance(p, Fp8Linear) else None for p in (self.qkv, self.gate_up, self.down))
         # what the fused kernels need: RMSNorm weights and SiLU (the llama layout's norms and activation)
         self.fusable = (hasattr(self.norm1, "weight") and hasattr(self.norm2, "weight")
                         and type(self.act).__name__ in ("SiLU", "SiLUActivation"))
@@ -281,12 +284,13 @@ class GraphRunner(BaseRunner):
             mask = (torch.arange(ctx, device=ids.device).view(1, 1, ctx) <= pos.unsqueeze(-1))  # [B, T, ctx]
             # gqa: [B, 1, T, ctx] over the query heads; rows: query rows (token, group head) per KV head
             mask = mask.unsqueeze(1) if form == "gqa" else mask.repeat_interleave(g, 1).unsqueeze(1)
-        if fused:  # the residual stream and the next GEMM's normed input travel side by side
-            h, x = add_rms_norm(h, None, self.layers[0].norm1.weight, self.layers[0].norm_eps)
+        if fused:  # the residual stream and the next GEMM's normed input (FP8 where it is FP8's) side by side
+            first = self.layers[0]
+            h, x = add_rms_norm(h, None, first.norm1.weight, first.norm_eps, first.qkv_fp8)
         for i, layer in enumerate(self.layers):
             if fused:  # RoPE at each token's position and the K/V write in one launch
-                q = rope_write_kv(layer.qkv(x), self.cos, self.sin, self.k[i], self.v[i], write_rows, pos, nq, nkv,
-                                  *self._scales(i)).view(b * t, nq, d)
+                q = rope_write_kv(project(layer.qkv, x), self.cos, self.sin, self.k[i], self.v[i], write_rows, pos,
+                                  nq, nkv, *self._scales(i)).view(b * t, nq, d)
             else:
                 q, k, v = layer.pre(h, cos, sin, nq, nkv, d)
                 if cuda:  # one launch for both caches (and FP8's quantization)
@@ -298,11 +302,12 @@ class GraphRunner(BaseRunner):
             if not fused:
                 h = layer.post(h, o)
                 continue
-            h, x = add_rms_norm(h, layer.o_proj(o), layer.norm2.weight, layer.norm_eps)
-            delta = layer.down(silu_mul(layer.gate_up(x)))
+            h, x = add_rms_norm(h, layer.o_proj(o), layer.norm2.weight, layer.norm_eps, layer.gate_up_fp8)
+            delta = project(layer.down, silu_mul(project(layer.gate_up, x), layer.down_fp8))
             nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
             h, x = add_rms_norm(h, delta, self.inner.norm.weight if nxt is None else nxt.norm1.weight,
-                                self.final_norm_eps if nxt is None else nxt.norm_eps)
+                                self.final_norm_eps if nxt is None else nxt.norm_eps,
+                                None if nxt is None else nxt.qkv_fp8)
         if fused:  # x is the final norm's output already
             return self.model.lm_head(x).float(), x
         return self._head(h, True)

@@ -6,7 +6,7 @@ so the embedded runtime replaces each quantized Linear with one of these.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -108,6 +108,21 @@ class Fp8Linear(torch.nn.Module):
             y = y + self.bias.float()
         return y.to(self.dtype)
 
+    def e4m3_input_scale(self) -> Optional[torch.Tensor]:
+        """The scale this layer quantizes its input with where it runs one FP8 GEMM on it (a GPU with
+        FP8 tensor cores, a calibrated input scale): the kernel producing the input may then quantize
+        it (fused_ops) and call `forward_e4m3`. None where the input must stay in the model's dtype."""
+        from server.embedded.gpu_kernels import FP8_WEIGHT_ONLY_MAX_ROWS
+
+        on_gpu = self.weight_e4m3.dtype == torch.float8_e4m3fn
+        return self.input_scale if on_gpu and FP8_WEIGHT_ONLY_MAX_ROWS == 0 else None
+
+    def forward_e4m3(self, xq: torch.Tensor) -> torch.Tensor:
+        """forward() of an input already quantized with `e4m3_input_scale()`: [M, in] e4m3 -> [M, out]."""
+        from server.embedded.gpu_kernels import fp8_gemm
+
+        return fp8_gemm(xq, self.weight_e4m3, self.weight_scale, self.input_scale, self.bias, self.dtype)
+
     def dequantized(self) -> torch.Tensor:
         scale = self.weight_scale
         return self.weight_e4m3.float() * (scale if scale.numel() == 1 else scale[:, None])
@@ -139,6 +154,12 @@ class Fp8Linear(torch.nn.Module):
         fused.register_buffer("input_scale", first.input_scale)
         fused.register_buffer("bias", None if first.bias is None else torch.cat([m.bias for m in mods], 0))
         return fused
+
+
+def project(linear: Any, x: torch.Tensor) -> torch.Tensor:
+    """linear(x), or an FP8 layer's GEMM alone where the kernel that made x already quantized it
+    (`Fp8Linear.e4m3_input_scale`; the graph runner's fused kernels)."""
+    return linear.forward_e4m3(x) if x.dtype == torch.float8_e4m3fn else linear(x)
 
 
 def _gpu(kernel: str) -> bool:
