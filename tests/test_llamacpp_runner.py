@@ -85,6 +85,8 @@ def test_what_the_runner_cannot_do_is_refused_by_name(model, gguf_folder):
         r.verify([[1, 2]], [0])
     with pytest.raises(NotImplementedError, match="hidden"):
         r.decode([1], [0], hidden=True)
+    with pytest.raises(ValueError, match="300 slots"):
+        _runner(model, 300)
     with pytest.raises(FileNotFoundError, match="no GGUF file"):
         LlamaCppModel.load(gguf_folder / "missing.gguf")
     with pytest.raises(ValueError, match="FP8 KV cache"):
@@ -119,3 +121,4 @@ def test_the_engine_serves_a_gguf_folder_with_greedy_replies_of_the_runner(gguf_
         assert asyncio.run(together()) == want
     finally:
         engine.shutdown()
+    assert engine.runner.ctx is None and engine.runner.model.contexts == 0  # its context and cache freed at shutdown

@@ -24,7 +24,7 @@ from aimo_spec.layout import GGUF_FILE
 CONVERTER_ENV = "LLAMACPP_CONVERTER_DIR"  # a folder holding convert_hf_to_gguf.py, conversion/ and gguf-py/
 OUTTYPES = ("q8_0", "bf16", "f16")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "generation_config.json", "tokenizer.model")
+                   "generation_config.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
 
 
 def find_converter() -> Optional[Path]:
@@ -51,14 +51,18 @@ def export_gguf(hf_dir: Path, out_dir: Path, outtype: str = "q8_0") -> Path:
     conv = converter_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
     target = out_dir / GGUF_FILE
+    partial = out_dir / (GGUF_FILE + ".partial")  # a folder never holds a half-written model.gguf
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(conv / "gguf-py"), str(conv)]),
            "NO_LOCAL_GGUF": ""}
     proc = subprocess.run([sys.executable, str(conv / "convert_hf_to_gguf.py"), str(hf_dir), "--outtype", outtype,
-                           "--outfile", str(target)], env=env, capture_output=True, text=True)
-    if proc.returncode != 0 or not target.is_file():
+                           "--outfile", str(partial)], env=env, capture_output=True, text=True)
+    if proc.returncode != 0 or not partial.is_file():
+        partial.unlink(missing_ok=True)
         tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
         raise RuntimeError(f"gguf export: llama.cpp's converter failed on {hf_dir}:\n{tail}")
+    os.replace(partial, target)
     for name in TOKENIZER_FILES:
-        if (hf_dir / name).is_file():
-            shutil.copyfile(hf_dir / name, out_dir / name)
+        src, dst = hf_dir / name, out_dir / name
+        if src.is_file() and src.resolve() != dst.resolve():
+            shutil.copyfile(src, dst)
     return target

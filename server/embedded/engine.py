@@ -178,6 +178,7 @@ class EmbeddedEngine(EngineBase):
             raise
         finally:
             self._outbox.flush()
+            getattr(self.runner, "close", lambda: None)()  # a runner holding native memory (llama.cpp) frees it
 
     def _thread_died(self, why: str) -> None:
         """Fail every request in flight or still queued; later submissions fail at once (see `alive`)."""

@@ -35,6 +35,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ (src/llama-cparams.h at llama-cpp-python 0.3.36's commit)
+
 
 def _llama() -> Any:
     try:
@@ -73,8 +75,10 @@ class LlamaCppModel:
                                  eos_token_id=sorted(eos), n_ctx_train=ll.llama_model_n_ctx_train(handle))
         return cls(path, handle, config)
 
+    contexts: int = 0  # live runners on this model: it is freed only when none is left
+
     def __del__(self) -> None:
-        if getattr(self, "handle", None):
+        if getattr(self, "handle", None) and not self.contexts:
             _llama().llama_model_free(self.handle)
             self.handle = None
 
@@ -86,6 +90,9 @@ class LlamaCppRunner:
                  batch_tokens: int = 512, kv_cache_dtype: str = "auto"):
         if kv_cache_dtype != "auto":
             raise ValueError(f"llama.cpp runner: kv_cache_dtype {kv_cache_dtype!r} is not supported (auto only)")
+        if not 0 < num_slots < min(batch_tokens, MAX_SEQUENCES):  # one more sequence is swap's scratch
+            raise ValueError(f"llama.cpp runner: {num_slots} slots (max_batch_size) is not in 1..{MAX_SEQUENCES - 1} "
+                             f"(llama.cpp's sequences, one kept for swaps) and below batch_tokens {batch_tokens}")
         ll = self.ll = _llama()
         self.model = model
         self.num_slots, self.max_seq_len = num_slots, max_seq_len
@@ -102,15 +109,18 @@ class LlamaCppRunner:
         self.ctx = ll.llama_init_from_model(model.handle, params)
         if not self.ctx:
             raise ValueError(f"llama.cpp runner: no context of {params.n_ctx} tokens for {model.path}")
+        model.contexts += 1
         self.memory = ll.llama_get_memory(self.ctx)
         self.batch_tokens = batch_tokens
         self.batch = ll.llama_batch_init(batch_tokens, 0, 1)
 
     def close(self) -> None:
+        """Free the context and its KV cache (the engine does at shutdown; idempotent)."""
         if getattr(self, "ctx", None):
             self.ll.llama_batch_free(self.batch)
             self.ll.llama_free(self.ctx)
             self.ctx = None
+            self.model.contexts -= 1
 
     def __del__(self) -> None:
         self.close()
@@ -121,7 +131,9 @@ class LlamaCppRunner:
             raise ValueError(f"sequence of {length} tokens exceeds the engine's max_seq_len {self.max_seq_len}")
 
     def _remove(self, slot: int, start: int = 0) -> None:
-        self.ll.llama_memory_seq_rm(self.memory, slot, start, -1)
+        if not self.ll.llama_memory_seq_rm(self.memory, slot, start, -1):  # recurrent models cannot cut a sequence
+            raise RuntimeError(f"llama.cpp runner: could not remove positions {start}.. of slot {slot} "
+                               f"({self.model.path.name}: a model whose state cannot be cut back)")
 
     def copy(self, src: int, dst: int, length: int) -> None:
         """Slot dst := slot src's first `length` positions (the whole stream copied, its tail removed)."""
@@ -143,6 +155,8 @@ class LlamaCppRunner:
     def _run(self, rows: list[tuple[int, int, int, bool]]) -> np.ndarray:
         """llama_decode over (token, position, slot, wants logits) rows, at most one batch; the logits
         of the rows that want them, in order, as float32 [n, V]."""
+        if len(rows) > self.batch_tokens:
+            raise ValueError(f"llama.cpp runner: {len(rows)} tokens in one step, the batch holds {self.batch_tokens}")
         b = self.batch
         b.n_tokens = len(rows)
         for i, (tok, pos, seq, out) in enumerate(rows):

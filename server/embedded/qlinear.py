@@ -132,21 +132,24 @@ class Fp8Linear(torch.nn.Module):
         """Linears of one input (q/k/v, gate/up) as one: their e4m3 weights stacked, each output channel
         keeping its own module's weight scale (one value where they all agree, else one a channel), so
         one activation quantization and one GEMM serve them all. None where they do not share the
-        input scale or their bias kind: quantizing the activation once would then change numbers."""
+        input scale or their bias kind (quantizing the activation once would then change numbers), or
+        where per-channel scales cannot run (`_rowwise_fp8`)."""
         first = mods[0]
         if first.input_scale is None:
             same_input = all(m.input_scale is None for m in mods)
         else:
             same_input = all(m.input_scale is not None and torch.equal(m.input_scale, first.input_scale) for m in mods)
-        if not same_input or any((m.bias is None) != (first.bias is None) for m in mods):
+        scales = [m.weight_scale for m in mods]
+        same_scale = all(torch.equal(s, scales[0]) for s in scales)
+        if (not same_input or any((m.bias is None) != (first.bias is None) for m in mods)
+                or not (same_scale or _rowwise_fp8(first))):
             return None
         fused = cls.__new__(cls)
         torch.nn.Module.__init__(fused)
         fused.in_features, fused.dtype = first.in_features, first.dtype
         fused.out_features = sum(m.out_features for m in mods)
         fused.register_buffer("weight_e4m3", torch.cat([m.weight_e4m3 for m in mods], 0))
-        scales = [m.weight_scale for m in mods]
-        if all(torch.equal(s, scales[0]) for s in scales):
+        if same_scale:
             fused.register_buffer("weight_scale", scales[0].clone())
         else:
             fused.register_buffer("weight_scale", torch.cat([s.reshape(1).expand(m.out_features)
@@ -154,6 +157,15 @@ class Fp8Linear(torch.nn.Module):
         fused.register_buffer("input_scale", first.input_scale)
         fused.register_buffer("bias", None if first.bias is None else torch.cat([m.bias for m in mods], 0))
         return fused
+
+
+def _rowwise_fp8(layer: "Fp8Linear") -> bool:
+    """Whether per-channel weight scales can run: torch's row-wise `_scaled_mm` wants bf16 out and an SM 9.0
+    GPU; the CPU's emulation takes any."""
+    w = layer.weight_e4m3
+    if not w.is_cuda:
+        return True
+    return layer.dtype == torch.bfloat16 and torch.cuda.get_device_capability(w.device) >= (9, 0)
 
 
 def project(linear: Any, x: torch.Tensor) -> torch.Tensor:
