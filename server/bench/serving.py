@@ -48,8 +48,10 @@ async def _drain(engine: Any, request: Request) -> Final:
     raise RuntimeError("no final message")
 
 
-def engine_throughput(engine: Any, prompts: list[list[int]], tokens: int, concurrent: bool) -> float:
-    params = [SamplingParams(temperature=0.7, top_p=0.95, seed=i, max_tokens=tokens, ignore_eos=True)
+def engine_throughput(engine: Any, prompts: list[list[int]], tokens: int, concurrent: bool,
+                      temperature: float = 0.7, top_p: float = 0.95) -> float:
+    """Generated tokens/s of seeded requests (request i: seed i), all at once or one after another."""
+    params = [SamplingParams(temperature=temperature, top_p=top_p, seed=i, max_tokens=tokens, ignore_eos=True)
               for i in range(len(prompts))]
 
     async def go() -> int:

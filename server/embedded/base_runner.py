@@ -32,6 +32,12 @@ SUPPORTED = ("llama", "qwen2", "mistral")
 Draft = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (context [n, H], first [n]) -> drafts [n, L]
 
 
+def check_capacity(length: int, max_seq_len: int) -> None:
+    """A sequence of `length` positions fits the engine's max_seq_len (every runner, the llama.cpp one too)."""
+    if length > max_seq_len:
+        raise ValueError(f"sequence of {length} tokens exceeds the engine's max_seq_len {max_seq_len}")
+
+
 class BaseRunner(ABC):
     """The shared half of a runner: the model's parts and head counts, the caches and moving them,
     the head, prefill, and speculative drafting then verifying."""
@@ -95,8 +101,7 @@ class BaseRunner(ABC):
     # ---- cache management
     def ensure_capacity(self, length: int) -> None:
         """Room for `length` positions per slot (a runner with a growing cache grows it here)."""
-        if length > self.max_seq_len:
-            raise ValueError(f"sequence of {length} tokens exceeds the engine's max_seq_len {self.max_seq_len}")
+        check_capacity(length, self.max_seq_len)
 
     @torch.inference_mode()
     def copy(self, src: int, dst: int, length: int) -> None:

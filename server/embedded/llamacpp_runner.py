@@ -35,6 +35,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from server.embedded.base_runner import check_capacity
+
 MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ (src/llama-cparams.h at llama-cpp-python 0.3.36's commit)
 
 
@@ -43,8 +45,8 @@ def _llama() -> Any:
         import llama_cpp
         from llama_cpp import _logger
     except ImportError as e:  # the optional CPU backend: said with how to get it
-        raise ImportError("the llama.cpp runner needs llama-cpp-python (`make setup-llamacpp`, "
-                          "requirements/llamacpp.txt)") from e
+        raise ImportError("the llama.cpp runner needs llama-cpp-python (requirements/embedded.txt, "
+                          "`make setup`)") from e
     _logger.set_verbose(False)  # llama.cpp's errors only (it logs every tensor it loads)
     return llama_cpp
 
@@ -57,6 +59,7 @@ class LlamaCppModel:
     path: Path
     handle: Any  # llama_model*
     config: SimpleNamespace
+    contexts: int = 0  # live runners on this model: it is freed only when none is left
 
     @classmethod
     def load(cls, path: str | Path) -> "LlamaCppModel":
@@ -74,8 +77,6 @@ class LlamaCppModel:
         config = SimpleNamespace(model_type="gguf", vocab_size=ll.llama_vocab_n_tokens(vocab),
                                  eos_token_id=sorted(eos), n_ctx_train=ll.llama_model_n_ctx_train(handle))
         return cls(path, handle, config)
-
-    contexts: int = 0  # live runners on this model: it is freed only when none is left
 
     def __del__(self) -> None:
         if getattr(self, "handle", None) and not self.contexts:
@@ -127,8 +128,7 @@ class LlamaCppRunner:
 
     # ---- cache management
     def ensure_capacity(self, length: int) -> None:
-        if length > self.max_seq_len:
-            raise ValueError(f"sequence of {length} tokens exceeds the engine's max_seq_len {self.max_seq_len}")
+        check_capacity(length, self.max_seq_len)
 
     def _remove(self, slot: int, start: int = 0) -> None:
         if not self.ll.llama_memory_seq_rm(self.memory, slot, start, -1):  # recurrent models cannot cut a sequence
