@@ -11,13 +11,12 @@ small model (gpt-fast's lesson):
   int8 weight-only with per-channel scales; FP8 where the linears share their input scale, each
   output channel keeping its module's weight scale: the activation is quantized once, exactly as
   each would quantize it).
-- **Decode attention without GQA expansion**, in one of three forms (`attention`; `auto` picks per
-  step shape from measurements, `attention_form`): `rows`, the `group`
-  query heads of one KV head laid out as `group` query rows of one SDPA over that head's keys (the
-  CPU runner's logits bit for bit); `gqa`, SDPA's grouped-query form; `split`, the split-KV Triton
-  kernel (decode_attention.py), which reads the cache in place, bf16 or FP8, and spreads long
-  contexts over the whole GPU. An FP8 cache (`kv_cache_dtype="fp8"`) is read by `split` on CUDA;
-  elsewhere it is dequantised for SDPA.
+- **Decode attention without GQA expansion**, in one of three forms (`attention`; `auto` picks per step
+  shape from measurements, `attention_form`): `rows`, the `group` query heads of one KV head laid out
+  as `group` query rows of one SDPA over that head's keys (the CPU runner's logits bit for bit); `gqa`,
+  SDPA's grouped-query form; `split`, the split-KV Triton kernel (decode_attention.py), which reads
+  the cache in place, bf16 or FP8, and spreads long contexts over the whole GPU. An FP8 cache
+  (`kv_cache_dtype="fp8"`) is read by `split` on CUDA; elsewhere it is dequantised for SDPA.
 - **CUDA graphs**: one captured decode step per (batch bucket, context bucket): the batch is padded
   up to a bucket size and the keys read up to a power-of-two context, so a handful of graphs serve
   every step. Inputs go through static buffers; one graph replay is the whole step, lm_head included.
@@ -34,6 +33,7 @@ On a CPU the same code runs eagerly (no graphs), which is how the tests check it
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any, Callable, Optional
 
@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from server.embedded.base_runner import BaseRunner, Draft
 from server.embedded.decode_attention import interpreted, split_kv_attention, write_kv
 from server.embedded.fused_ops import add_rms_norm, rope_write_kv, silu_mul
-from server.embedded.qlinear import Fp8Linear, Int8WeightOnlyLinear, project
+from server.embedded.qlinear import Fp8Linear, Int8WeightOnlyLinear, project, quantized_input
 from server.embedded.transfer import copy_into
 
 FUSED_OPS_ENV = "EMBEDDED_FUSED_OPS"  # 0: eager elementwise ops on CUDA too, for side-by-side measurements
@@ -285,8 +285,8 @@ class GraphRunner(BaseRunner):
             # gqa: [B, 1, T, ctx] over the query heads; rows: query rows (token, group head) per KV head
             mask = mask.unsqueeze(1) if form == "gqa" else mask.repeat_interleave(g, 1).unsqueeze(1)
         if fused:  # the residual stream and the next GEMM's normed input (FP8 where it is FP8's) side by side
-            first = self.layers[0]
-            h, x = add_rms_norm(h, None, first.norm1.weight, first.norm_eps, first.qkv_fp8)
+            first, q8 = self.layers[0], functools.partial(quantized_input, rows=b * t)
+            h, x = add_rms_norm(h, None, first.norm1.weight, first.norm_eps, q8(first.qkv_fp8))
         for i, layer in enumerate(self.layers):
             if fused:  # RoPE at each token's position and the K/V write in one launch
                 q = rope_write_kv(project(layer.qkv, x), self.cos, self.sin, self.k[i], self.v[i], write_rows, pos,
@@ -302,12 +302,12 @@ class GraphRunner(BaseRunner):
             if not fused:
                 h = layer.post(h, o)
                 continue
-            h, x = add_rms_norm(h, layer.o_proj(o), layer.norm2.weight, layer.norm_eps, layer.gate_up_fp8)
-            delta = project(layer.down, silu_mul(project(layer.gate_up, x), layer.down_fp8))
+            h, x = add_rms_norm(h, layer.o_proj(o), layer.norm2.weight, layer.norm_eps, q8(layer.gate_up_fp8))
+            delta = project(layer.down, silu_mul(project(layer.gate_up, x), q8(layer.down_fp8)))
             nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
             h, x = add_rms_norm(h, delta, self.inner.norm.weight if nxt is None else nxt.norm1.weight,
                                 self.final_norm_eps if nxt is None else nxt.norm_eps,
-                                None if nxt is None else nxt.qkv_fp8)
+                                None if nxt is None else q8(nxt.qkv_fp8))
         if fused:  # x is the final norm's output already
             return self.model.lm_head(x).float(), x
         return self._head(h, True)

@@ -111,11 +111,9 @@ class Fp8Linear(torch.nn.Module):
     def e4m3_input_scale(self) -> Optional[torch.Tensor]:
         """The scale this layer quantizes its input with where it runs one FP8 GEMM on it (a GPU with
         FP8 tensor cores, a calibrated input scale): the kernel producing the input may then quantize
-        it (fused_ops) and call `forward_e4m3`. None where the input must stay in the model's dtype."""
-        from server.embedded.gpu_kernels import FP8_WEIGHT_ONLY_MAX_ROWS
-
-        on_gpu = self.weight_e4m3.dtype == torch.float8_e4m3fn
-        return self.input_scale if on_gpu and FP8_WEIGHT_ONLY_MAX_ROWS == 0 else None
+        it (fused_ops) and call `forward_e4m3`, at batches above the weight-only rows (`quantized_input`).
+        None where the input must stay in the model's dtype."""
+        return self.input_scale if self.weight_e4m3.dtype == torch.float8_e4m3fn else None
 
     def forward_e4m3(self, xq: torch.Tensor) -> torch.Tensor:
         """forward() of an input already quantized with `e4m3_input_scale()`: [M, in] e4m3 -> [M, out]."""
@@ -166,6 +164,14 @@ def _rowwise_fp8(layer: "Fp8Linear") -> bool:
     if not w.is_cuda:
         return True
     return layer.dtype == torch.bfloat16 and torch.cuda.get_device_capability(w.device) >= (9, 0)
+
+
+def quantized_input(scale: Optional[torch.Tensor], rows: int) -> Optional[torch.Tensor]:
+    """An FP8 GEMM's `e4m3_input_scale` where its input of `rows` rows is to be quantized, None where
+    the layer runs weight-only at that many rows (its input stays in the model's dtype)."""
+    from server.embedded.gpu_kernels import FP8_WEIGHT_ONLY_MAX_ROWS
+
+    return scale if scale is not None and rows > FP8_WEIGHT_ONLY_MAX_ROWS else None
 
 
 def project(linear: Any, x: torch.Tensor) -> torch.Tensor:
