@@ -130,6 +130,7 @@ def test_the_quantize_stage_exports_gguf_and_prices_it_against_bf16(gguf_build):
     out = gguf_build.out_dir / "quantize" / "gguf_q8_0"
     m = mf.read_manifest(out)
     assert m["status"] == "done" and m["format"] == "gguf_q8_0" and m["quant_algo"] == "Q8_0"
+    assert m["libraries"]["llama-cpp-python"]  # the converter's version
     assert (out / "gguf" / GGUF_FILE).is_file() and (out / "gguf" / "tokenizer.json").is_file()
     assert m["gguf_bytes"] > 0 and "model.gguf" in m["files"]
     q = m["quality"]
