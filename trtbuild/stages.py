@@ -68,12 +68,12 @@ STAGES: tuple[Stage, ...] = (
 )
 BY_NAME = {s.name: s for s in STAGES}
 
+NAMES = tuple(BY_NAME)
+
 
 class SetupError(RuntimeError):
     """A stage needs a tool this environment lacks; the message says which and how to get it (`make
     setup`). The command line prints it as one line, without a traceback: nothing to debug."""
-
-NAMES = tuple(BY_NAME)
 
 
 def stage(name: str) -> Stage:
