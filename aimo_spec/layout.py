@@ -4,6 +4,7 @@
       sources/<name>/model/      each source as an HF checkpoint (hf sources are used in place)
       merge/model/               the merged checkpoint
       quantize/<fmt>/{hf,trtllm}/  ModelOpt exports: unified HF checkpoint, TensorRT-LLM checkpoint
+      quantize/gguf_<type>/gguf/   llama.cpp's export: model.gguf + tokenizer files
       drafter/model/             the ReDrafter head (TensorRT-LLM converter layout)
       build/<backend>/           an engine folder: engine.json + model/ (+ engine/ TensorRT plans)
       trtllm/                    TensorRT-LLM work folders (checkpoint, calibration, redrafter)
@@ -19,6 +20,12 @@ from pathlib import Path
 
 ENGINE_FILE = "engine.json"  # what a runtime reads to serve an engine folder
 GGUF_FILE = "model.gguf"  # a model folder holding it (with its tokenizer) is served by llama.cpp
+GGUF_PREFIX = "gguf_"  # quantization formats made by llama.cpp's converter (gguf_q8_0), not by ModelOpt
+
+
+def is_gguf(quantization: str) -> bool:
+    """A format whose weights are a GGUF folder (llama.cpp serves it; TensorRT-LLM cannot)."""
+    return quantization.startswith(GGUF_PREFIX)
 
 
 @dataclass(frozen=True)
@@ -53,8 +60,9 @@ class Layout:
         return self.quantize / fmt
 
     def quantized(self, fmt: str) -> Path:
-        """The unified HF export of one format (what the embedded runtime serves)."""
-        return self.quantize_format(fmt) / "hf"
+        """What the embedded runtime serves of one format: the unified HF export, or for a gguf_*
+        format the GGUF folder (model.gguf + tokenizer)."""
+        return self.quantize_format(fmt) / ("gguf" if is_gguf(fmt) else "hf")
 
     def quantized_trtllm(self, fmt: str) -> Path:
         """The TensorRT-LLM checkpoint export of one format."""
@@ -96,5 +104,6 @@ class Layout:
         return self.root / "kaggle"
 
     def weights(self, quantization: str) -> Path:
-        """The HF weights of a `build.quantization` value: the merged model for bf16, else its export."""
+        """The weights of a `build.quantization` value: the merged model for bf16, else its export (an HF
+        checkpoint, or a GGUF folder for gguf_* formats)."""
         return self.merged if quantization == "bf16" else self.quantized(quantization)

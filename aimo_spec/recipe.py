@@ -18,6 +18,7 @@ from typing import Any, Literal, Union
 
 import yaml
 
+from aimo_spec.layout import is_gguf
 from aimo_spec.schema import (  # noqa: F401 (re-exported: callers import the shapes from here)
     ANSWER_RANGES,
     BudgetSpec,
@@ -182,6 +183,9 @@ def _check(recipe: Recipe, where: str, check_paths: bool) -> None:
     b = recipe.build
     if b.quantization != "bf16" and b.quantization not in q.formats:
         fail("build.quantization", f"must be bf16 or one of quantize.formats {q.formats}", b.quantization)
+    if is_gguf(b.quantization) and b.backend == "trtllm":
+        fail("build.backend", f"TensorRT-LLM cannot serve GGUF (build.quantization {b.quantization}); "
+                              "use embedded or auto", b.backend)
     for k in ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens", "tp_size"):
         if getattr(b, k) <= 0:
             fail(f"build.{k}", "must be positive", getattr(b, k))
@@ -192,6 +196,9 @@ def _check(recipe: Recipe, where: str, check_paths: bool) -> None:
         fail("drafter.path", "no such folder", d.path)
     if d.num_beams < 1 or d.draft_len_per_beam < 1:
         fail("drafter", "num_beams and draft_len_per_beam must be >= 1", (d.num_beams, d.draft_len_per_beam))
+    if d.kind == "redrafter" and is_gguf(b.quantization):
+        fail("drafter.kind", f"llama.cpp serves {b.quantization} without speculative decoding (no drafter); "
+                             "use none", d.kind)
     tr = d.train
     for k in ("prompts", "heldout_prompts", "samples_per_prompt", "max_tokens", "draft_steps", "layers", "steps",
               "batch_size", "eval_positions"):

@@ -75,12 +75,13 @@ class CalibrationSpec:
     max_length: int = 256
 
 
-QuantFormat = Literal["fp8", "int8_wo"]
+QuantFormat = Literal["fp8", "int8_wo", "gguf_q8_0"]  # gguf_*: llama.cpp's converter, served on the CPU
 
 
 @dataclass(frozen=True)
 class QuantizeSpec:
-    """Which ModelOpt formats to produce (each is exported as HF and TRT-LLM checkpoints)."""
+    """Which formats to produce: ModelOpt's (fp8, int8_wo: exported as HF and TRT-LLM checkpoints) and
+    llama.cpp's (gguf_q8_0: a GGUF folder, for the embedded engine's llama.cpp runner)."""
 
     formats: list[QuantFormat] = field(default_factory=lambda: ["int8_wo", "fp8"])
     kv_cache_dtype: Literal["none", "fp8"] = "none"
@@ -122,7 +123,7 @@ class DrafterSpec:
 class BuildSpec:
     """Engine build limits and the weights the engine serves."""
 
-    quantization: Literal["bf16", "fp8", "int8_wo"] = "int8_wo"
+    quantization: Literal["bf16", "fp8", "int8_wo", "gguf_q8_0"] = "int8_wo"
     backend: Literal["auto", "embedded", "trtllm"] = "auto"
     max_batch_size: int = 16
     max_input_len: int = 2048

@@ -60,8 +60,12 @@ def report(recipe: Recipe) -> str:
         m = mf.read_manifest(layout.quantize_format(fmt))
         if m:
             q = m["quality"]
-            lines.append(f"quantize/{fmt}: {m['seconds']}s, hf {_mb(m['hf_bytes'])}, trtllm {_mb(m['trtllm_bytes'])}, "
-                         f"reload {m['reload_error']['max_error_over_bound']:.3f}x bound")
+            if "gguf_bytes" in m:  # llama.cpp's export: no TensorRT-LLM checkpoint, no reload check (the price is it)
+                lines.append(f"quantize/{fmt}: {m['seconds']}s, gguf {_mb(m['gguf_bytes'])} ({m['runtime']})")
+            else:
+                err = m["reload_error"]["max_error_over_bound"]
+                lines.append(f"quantize/{fmt}: {m['seconds']}s, hf {_mb(m['hf_bytes'])}, "
+                             f"trtllm {_mb(m['trtllm_bytes'])}, reload {err:.3f}x bound")
             lines.append(f"  {fmt} vs bf16: KL {q['kl_mean']:.4f}, agreement {q['token_agreement']:.1%}, reply len "
                          f"{q['reply_len']:.1f} vs {q['reply_len_ref']:.1f}, code calls {q['code_calls']:.2f} vs "
                          f"{q['code_calls_ref']:.2f}"
@@ -76,7 +80,10 @@ def report(recipe: Recipe) -> str:
         m = mf.read_manifest(layout.engine(backend))
         if m:
             lines.append(f"build/{backend}: {m['seconds']}s, {_mb(m['size_bytes'])}, serves {m['quantization']}")
-            if (kv := m.get("kv_cache_price")):  # serving.kv_cache_dtype: fp8, priced by the build
+            kv = m.get("kv_cache_price")
+            if kv and "skipped" in kv:
+                lines.append(f"  FP8 KV cache: not priced ({kv['skipped']})")
+            elif kv:  # serving.kv_cache_dtype: fp8, priced by the build
                 q = kv["fp8"]
                 lines.append(f"  FP8 KV cache vs model-dtype cache: KL {q['kl_mean']:.4f}, agreement "
                              f"{q['token_agreement']:.1%}, reply len {q['reply_len']:.1f} vs {q['reply_len_ref']:.1f}, "
@@ -125,6 +132,10 @@ def _run_stages(todo: tuple[str, ...], recipe: Recipe, args: argparse.Namespace)
         except RecipeError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+        except stages.SetupError as e:
+            print(f"[{stage}] FAILED: {e}\n[{stage}] earlier stages are kept; rerun after the setup to resume here",
+                  file=sys.stderr)
+            return 1
         except KeyboardInterrupt:
             print(f"[{stage}] interrupted; finished stages are kept, rerun to resume", file=sys.stderr)
             return 130

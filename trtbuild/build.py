@@ -5,6 +5,10 @@
   machine, CPU included.
 - trtllm: checkpoint -> (ReDrafter) -> `trtllm-build` in TensorRT-LLM 1.2.x's environment
   (`trtbuild/trtllm/build.py`), after preflight checks that need no GPU work.
+A gguf_* quantization (llama.cpp's Q8_0 from the quantize stage) builds only for embedded: its
+`model/` is the GGUF folder (model.gguf + tokenizer), which `EmbeddedEngine.from_dir` serves on the
+llama.cpp runner; TensorRT-LLM cannot serve GGUF, so trtllm is refused and `auto` means embedded;
+the FP8 KV cache is not priced (llama.cpp keeps its own f16 cache; the manifest says so).
 Outputs go to `build/<backend>/`, so both can coexist. `engine.json` holds what the build decided
 (format, limits, files, drafter shape); the serving settings stay in the recipe, so editing them
 rebuilds nothing.
@@ -17,8 +21,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from aimo_spec.layout import ENGINE_FILE
-from aimo_spec.recipe import Recipe
+from aimo_spec.layout import ENGINE_FILE, GGUF_FILE, is_gguf
+from aimo_spec.recipe import Recipe, RecipeError
 from trtbuild import backends, stages
 from trtbuild import manifest as mf
 
@@ -72,7 +76,16 @@ def run(recipe: Recipe, backend: str = "auto", trtllm_env: Any = None, runner: A
     from trtbuild.trtllm.preflight import drafter_dir
 
     requested = backend if backend != "auto" else recipe.build.backend
-    chosen = "trtllm" if trtllm_env is not None and requested in ("auto", "trtllm") else backends.resolve(requested)
+    gguf = is_gguf(recipe.build.quantization)
+    if gguf and requested == "trtllm":
+        raise RecipeError(f"{recipe.path}: build.quantization: TensorRT-LLM cannot serve GGUF; build it with "
+                          f"BACKEND=embedded (or auto), or pick a ModelOpt format for trtllm "
+                          f"(got {recipe.build.quantization!r})")
+    if gguf:  # llama.cpp's format: the embedded engine is the only backend that serves it
+        chosen = backends.resolve("embedded")
+    else:
+        chosen = ("trtllm" if trtllm_env is not None and requested in ("auto", "trtllm")
+                  else backends.resolve(requested))
     layout = recipe.layout
     final = layout.engine(chosen)
     fp = fingerprint(recipe, chosen)
@@ -81,7 +94,7 @@ def run(recipe: Recipe, backend: str = "auto", trtllm_env: Any = None, runner: A
     # embedded serves the quantized HF export; trtllm converts from the merged model (and the quantize
     # stage's TensorRT-LLM export when trtllm.fp8_checkpoint says so) and needs only its tokenizer here
     src = layout.weights(recipe.build.quantization) if chosen == "embedded" else layout.merged
-    if not (src / "config.json").is_file():
+    if not (src / (GGUF_FILE if gguf else "config.json")).is_file():
         raise FileNotFoundError(f"build: no weights at {src}: run the earlier stages first")
     steps = None
     if chosen == "trtllm":  # everything that can fail without a GPU fails here, before any command runs
@@ -105,7 +118,9 @@ def run(recipe: Recipe, backend: str = "auto", trtllm_env: Any = None, runner: A
                     raise FileNotFoundError(f"build: no drafter at {drafter}: run `make drafter` first")
                 shutil.copytree(drafter, tmp / "drafter", ignore=shutil.ignore_patterns(mf.MANIFEST))
                 drafter_rel = "drafter"
-            extra["kv_cache_price"] = price_fp8_kv(recipe, tmp / "model")
+            extra["kv_cache_price"] = (
+                {"skipped": "llama.cpp serves GGUF with its own f16 KV cache; the FP8 cache is the torch runners'"}
+                if gguf else price_fp8_kv(recipe, tmp / "model"))
         else:
             (tmp / "engine").mkdir()
             extra["steps"] = tb.run_steps(steps or [], tmp / "engine", runner or tb.run_subprocess)

@@ -34,6 +34,7 @@ LOCK = ".lock"
 TRACKED_LIBRARIES = (
     "numpy", "pyyaml", "torch", "transformers", "mergekit", "nvidia-modelopt", "safetensors",
     "peft", "accelerate", "gguf", "tokenizers", "tensorrt-llm",
+    "llama-cpp-python",  # its version pins the llama.cpp converter gguf_* formats are made with
 )
 
 

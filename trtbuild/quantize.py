@@ -1,9 +1,11 @@
-"""Stage `quantize`: ModelOpt FP8 / int8 weight-only (W8A16) on the merged checkpoint, on CPU.
+"""Stage `quantize`: ModelOpt FP8 / int8 weight-only (W8A16) and llama.cpp's Q8_0 on the merged checkpoint, on CPU.
 
-Per format, `quantize/<format>/` holds
+Per ModelOpt format, `quantize/<format>/` holds
 - `hf/`: ModelOpt's unified HF export (what the embedded runtime serves, scales applied),
 - `trtllm/`: ModelOpt's TensorRT-LLM checkpoint (config.json + rank*.safetensors) for trtllm-build,
 - `manifest.json`: calibration, sizes, weight reload error, and the quality price against bf16.
+A gguf_* format (trtbuild/gguf_quantize.py) holds `gguf/` (model.gguf + tokenizer, made by
+llama.cpp's converter, served by the llama.cpp runner) and its manifest, priced by the same gate.
 Formats are built one by one, each atomically: a failure in one keeps the others.
 """
 
@@ -14,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from aimo_spec.layout import is_gguf
 from aimo_spec.recipe import Recipe
 from trtbuild import manifest as mf
 from trtbuild import stages
@@ -79,6 +82,10 @@ def reload_error(original: dict[str, Any], model: Any) -> dict[str, float]:
 
 
 def format_fingerprint(recipe: Recipe, fmt: str, merged_fp: str) -> str:
+    if is_gguf(fmt):  # no calibration and no ModelOpt KV setting: only what llama.cpp's export and its price read
+        return mf.fingerprint({"format": fmt, "quality": recipe.section("quality"),
+                               "tags": recipe.section("serving")["code_tags"], "merged": merged_fp,
+                               "version": VERSION})
     return mf.fingerprint({
         "format": fmt, "kv": recipe.quantize.kv_cache_dtype, "calibration": recipe.section("quantize")["calibration"],
         "quality": recipe.section("quality"), "tags": recipe.section("serving")["code_tags"],
@@ -95,6 +102,15 @@ def fingerprint(recipe: Recipe, fmt: str | None = None) -> str:
 
 
 def _quantize_one(recipe: Recipe, fmt: str, merged_dir: Path, final: Path, tmp: Path, ref: Any) -> dict[str, Any]:
+    """One format into `tmp` (renamed to `final` by the stage guard); its manifest fields."""
+    if is_gguf(fmt):
+        from trtbuild.gguf_quantize import quantize_gguf
+
+        return quantize_gguf(recipe, fmt, merged_dir, final, tmp, ref)
+    return _modelopt_one(recipe, fmt, merged_dir, final, tmp, ref)
+
+
+def _modelopt_one(recipe: Recipe, fmt: str, merged_dir: Path, final: Path, tmp: Path, ref: Any) -> dict[str, Any]:
     import modelopt.torch.quantization as mtq
     import torch
     from modelopt.torch.export import export_hf_checkpoint, export_tensorrt_llm_checkpoint
@@ -169,6 +185,10 @@ def run(recipe: Recipe) -> Path:
     for fmt in recipe.quantize.formats:
         final = layout.quantize_format(fmt)
         if not stages.current(f"{STAGE}/{fmt}", final, fps[fmt]):
+            if is_gguf(fmt):  # a missing llama.cpp fails here, in one line, before the reference is recorded
+                from trtbuild.gguf_quantize import require
+
+                require()
             if ref is None:
                 from aimo_spec.chat import load_tokenizer
                 from server.embedded.loader import gate_dtype, load_model, use_all_cores
@@ -188,7 +208,7 @@ def run(recipe: Recipe) -> Path:
         results[fmt] = mf.read_manifest(final)
     stages.summarize(
         STAGE, out, stage_fp, started, merged_bytes=mf.dir_size(merged_dir),
-        formats={f: {"hf_bytes": r["hf_bytes"], "trtllm_bytes": r["trtllm_bytes"], "quality": r["quality"],
-                     "seconds": r["seconds"]} for f, r in results.items()},
+        formats={f: {k: r[k] for k in ("hf_bytes", "trtllm_bytes", "gguf_bytes", "quality", "seconds") if k in r}
+                 for f, r in results.items()},
     )
     return out

@@ -57,7 +57,9 @@ STAGES: tuple[Stage, ...] = (
     Stage("merge", "trtbuild.merge_stage", ("trtbuild/merge_stage.py", "merge/config.py", "merge/check.py",
                                             "trtbuild/quality.py")),
     Stage("quantize", "trtbuild.quantize", ("trtbuild/quantize.py", "trtbuild/quality.py", "server/embedded/loader.py",
-                                            "server/embedded/qlinear.py")),
+                                            "server/embedded/qlinear.py", "trtbuild/gguf_quantize.py",
+                                            "trtbuild/gguf_export.py", "trtbuild/kv_price.py",
+                                            "server/embedded/llamacpp_runner.py")),
     Stage("drafter", "trtbuild.drafter.stage", ("trtbuild/drafter/stage.py", "trtbuild/drafter/data.py",
                                                 "server/embedded/redrafter.py", "trtbuild/drafter/train.py",
                                                 "trtbuild/drafter/acceptance.py")),
@@ -65,7 +67,13 @@ STAGES: tuple[Stage, ...] = (
                                       "trtbuild/programs/trtllm_convert.py", "trtbuild/trtllm/preflight.py")),
 )
 BY_NAME = {s.name: s for s in STAGES}
+
 NAMES = tuple(BY_NAME)
+
+
+class SetupError(RuntimeError):
+    """A stage needs a tool this environment lacks; the message says which and how to get it (`make
+    setup`). The command line prints it as one line, without a traceback: nothing to debug."""
 
 
 def stage(name: str) -> Stage:
