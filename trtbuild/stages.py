@@ -67,7 +67,6 @@ STAGES: tuple[Stage, ...] = (
                                       "trtbuild/programs/trtllm_convert.py", "trtbuild/trtllm/preflight.py")),
 )
 BY_NAME = {s.name: s for s in STAGES}
-
 NAMES = tuple(BY_NAME)
 
 
