@@ -183,6 +183,9 @@ def _check(recipe: Recipe, where: str, check_paths: bool) -> None:
     b = recipe.build
     if b.quantization != "bf16" and b.quantization not in q.formats:
         fail("build.quantization", f"must be bf16 or one of quantize.formats {q.formats}", b.quantization)
+    cpu = b.cpu_quantization
+    if cpu is not None and cpu != "bf16" and cpu not in q.formats:
+        fail("build.cpu_quantization", f"must be bf16 or one of quantize.formats {q.formats}", cpu)
     if is_gguf(b.quantization) and b.backend == "trtllm":
         fail("build.backend", f"TensorRT-LLM cannot serve GGUF (build.quantization {b.quantization}); "
                               "use embedded or auto", b.backend)

@@ -124,6 +124,9 @@ class BuildSpec:
     """Engine build limits and the weights the engine serves."""
 
     quantization: Literal["bf16", "fp8", "int8_wo", "gguf_q8_0"] = "int8_wo"
+    # what the embedded engine serves where it runs on a CPU, when that differs (a gguf_* format: llama.cpp
+    # decodes several times faster there than the torch runners); None: `quantization` on every device
+    cpu_quantization: Optional[Literal["bf16", "fp8", "int8_wo", "gguf_q8_0"]] = None
     backend: Literal["auto", "embedded", "trtllm"] = "auto"
     max_batch_size: int = 16
     max_input_len: int = 2048

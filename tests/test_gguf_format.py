@@ -191,3 +191,41 @@ def test_a_second_run_does_no_work(gguf_build, capfd):
     assert main(["engine", "--recipe", str(gguf_build.path), "--backend", "embedded"]) == 0
     err = capfd.readouterr().err
     assert "[quantize] up to date" in err and "[build] up to date" in err and "converter" not in err
+
+
+@pytest.mark.slow
+@needs_llama
+def test_cpu_quantization_packs_the_gguf_beside_the_main_weights_and_a_cpu_serves_it(gguf_build, tmp_path):
+    """build.cpu_quantization: the engine folder keeps the main weights (here bf16) for GPUs, drafting and
+    deterministic mode, and a CPU serves the GGUF on llama.cpp."""
+    import shutil
+
+    from server.embedded.settings import engine_options
+    from trtbuild.__main__ import report
+
+    shutil.copytree(gguf_build.out_dir, tmp_path / gguf_build.name)  # the merge and quantize outputs, reused
+    path = write_recipe(tmp_path, gguf_build.name, {"cot": SMOL}, merge={"weights": {"cot": 1.0}, "base_model": "cot"},
+                        quantize={"formats": ["gguf_q8_0"]}, quality={"prompts": 2, "max_new_tokens": 8},
+                        build={"quantization": "bf16", "cpu_quantization": "gguf_q8_0"})
+    assert main(["build", "--recipe", str(path), "--backend", "embedded"]) == 0
+    engine = load_recipe(path).out_dir / "build" / "embedded"
+    cfg = json.loads((engine / "engine.json").read_text())
+    assert (cfg["quantization"], cfg["cpu_quantization"]) == ("bf16", "gguf_q8_0")
+    assert (engine / cfg["model_dir"] / "config.json").is_file()
+    assert (engine / cfg["cpu_model_dir"] / GGUF_FILE).is_file()
+    assert "serves bf16 (gguf_q8_0 on CPUs)" in report(load_recipe(path))
+    model_dir, kw = engine_options(engine, {"device": "cpu"})
+    assert model_dir == engine / cfg["cpu_model_dir"] and kw["runner"] == "llamacpp"
+    model_dir, kw = engine_options(engine, {"device": "cpu", "deterministic": True})  # the slot runner's
+    assert model_dir == engine / cfg["model_dir"] and kw.get("runner") != "llamacpp"
+
+
+def test_which_weights_an_engine_folder_serves():
+    from server.embedded.settings import _weights_key
+
+    both = {"model_dir": "model", "cpu_model_dir": "cpu_model"}
+    assert _weights_key(both, "cpu", "auto", False) == "cpu_model_dir"
+    assert _weights_key(both, "cpu", "off", False) == "cpu_model_dir"
+    assert _weights_key(both, "cpu", "on", False) == "model_dir"  # the drafter drafts for the main weights
+    assert _weights_key(both, "cpu", "auto", True) == "model_dir"  # deterministic: the slot runner
+    assert _weights_key({"model_dir": "model"}, "cpu", "auto", False) == "model_dir"

@@ -25,7 +25,8 @@ def test_shipped_recipe_is_valid():
     assert r.merge.weights == {"cot": 0.3, "tir": 0.7}
     assert r.out_dir == (ROOT / "engines" / "mix").resolve()
     assert r.serving.code_tags.code_start == "```python\n"
-    assert set(r.quantize.formats) == {"fp8", "int8_wo"}
+    assert set(r.quantize.formats) == {"fp8", "int8_wo", "gguf_q8_0"}
+    assert (r.build.quantization, r.build.cpu_quantization) == ("int8_wo", "gguf_q8_0")  # llama.cpp on CPUs
 
 
 def _error(tmp_path: Path, mutate) -> str:
@@ -61,6 +62,9 @@ def test_serving_defaults_are_the_anchors():
     (lambda d: d["build"].update(max_batch_size=True), "build.max_batch_size", "True"),
     (lambda d: d["build"].update(max_input_len=9000), "build.max_input_len", "9000"),
     (lambda d: d["quantize"].update(formats=["fp8"]), "build.quantization", "'int8_wo'"),
+    (lambda d: d["build"].update(cpu_quantization="gguf_q4_0"), "build.cpu_quantization", "'gguf_q4_0'"),
+    (lambda d: (d["quantize"].update(formats=["int8_wo"]), d["build"].update(cpu_quantization="fp8")),
+     "build.cpu_quantization", "'fp8'"),
     (lambda d: d["sources"]["cot"].update(kind="s3"), "sources.cot.kind", "'s3'"),
     (lambda d: d["sources"].update(cot={"kind": "hf", "path": "/no/such/ckpt"}), "sources.cot.path", "/no/such/ckpt"),
     (lambda d: d["sources"]["tir"].update(base="tir"), "sources.tir.base", "'tir'"),

@@ -79,7 +79,8 @@ def report(recipe: Recipe) -> str:
     for backend in ("embedded", "trtllm"):
         m = mf.read_manifest(layout.engine(backend))
         if m:
-            lines.append(f"build/{backend}: {m['seconds']}s, {_mb(m['size_bytes'])}, serves {m['quantization']}")
+            cpu = f" ({m['cpu_quantization']} on CPUs)" if m.get("cpu_quantization") else ""
+            lines.append(f"build/{backend}: {m['seconds']}s, {_mb(m['size_bytes'])}, serves {m['quantization']}{cpu}")
             kv = m.get("kv_cache_price")
             if kv and "skipped" in kv:
                 lines.append(f"  FP8 KV cache: not priced ({kv['skipped']})")

@@ -2,7 +2,8 @@
 
 - embedded: a portable folder (`engine.json` + `model/` weights and tokenizer, and `drafter/`, the
   ReDrafter head it drafts with, when the recipe has one) that the embedded runtime serves on any
-  machine, CPU included.
+  machine, CPU included; with `build.cpu_quantization`, also `cpu_model/`, the weights a CPU serves
+  instead (the mix: llama.cpp's Q8_0, several times the torch runner's speed there).
 - trtllm: checkpoint -> (ReDrafter) -> `trtllm-build` in TensorRT-LLM 1.2.x's environment
   (`trtbuild/trtllm/build.py`), after preflight checks that need no GPU work.
 A gguf_* quantization (llama.cpp's Q8_0 from the quantize stage) builds only for embedded: its
@@ -30,6 +31,7 @@ from trtbuild import manifest as mf
 # 3: engine.json no longer copies the recipe's serving section; 4: embedded builds price the FP8 KV cache)
 VERSION = 4
 STAGE = "build"
+CPU_MODEL_DIR = "cpu_model"  # an embedded folder's weights for CPUs, where build.cpu_quantization differs
 # The serving fields the build reads: TensorRT-LLM's calibration set is rendered in the serving chat format.
 # Everything else in `serving` is the runtime's (server.embedded.settings.serving_settings): editing it
 # rebuilds nothing.
@@ -42,6 +44,10 @@ def fingerprint(recipe: Recipe, backend: str) -> str:
     from trtbuild.trtllm.preflight import drafter_dir
 
     upstream = stages.weights_fingerprint(recipe)
+    cpu = recipe.build.cpu_quantization
+    if _cpu_weights(recipe, backend) and cpu is not None:  # its weights are packed too
+        upstream += "+" + (stages.fingerprint(recipe, "merge") if cpu == "bf16" else
+                           stages.fingerprint(recipe, "quantize", cpu))
     drafter = drafter_dir(recipe)
     weights = drafter / "model.safetensors" if drafter else None
     drafter_stat = (weights.stat().st_size, weights.stat().st_mtime_ns) if weights and weights.is_file() else None
@@ -50,6 +56,12 @@ def fingerprint(recipe: Recipe, backend: str) -> str:
     return mf.fingerprint({"backend": backend, "build": recipe.section("build"), "drafter": recipe.section("drafter"),
                            "drafter_weights": drafter_stat, "upstream": upstream,
                            **(trtllm if backend == "trtllm" else {}), "version": VERSION})
+
+
+def _cpu_weights(recipe: Recipe, backend: str) -> bool:
+    """Whether the embedded engine folder also packs other weights for CPUs (build.cpu_quantization)."""
+    b = recipe.build
+    return backend == "embedded" and b.cpu_quantization not in (None, b.quantization)
 
 
 def engine_config(recipe: Recipe, backend: str, drafter_folder: str | None = None) -> dict[str, Any]:
@@ -63,6 +75,9 @@ def engine_config(recipe: Recipe, backend: str, drafter_folder: str | None = Non
         "backend": backend,
         "quantization": b.quantization,
         "model_dir": "model",
+        # the folder served where the engine runs on a CPU (build.cpu_quantization), when it differs
+        **({"cpu_model_dir": CPU_MODEL_DIR, "cpu_quantization": b.cpu_quantization} if _cpu_weights(recipe, backend)
+           else {}),
         "limits": {k: getattr(b, k) for k in ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens",
                                                "tp_size")},
         "drafter": recipe.section("drafter") if recipe.drafter.kind != "none" else None,
@@ -121,12 +136,20 @@ def run(recipe: Recipe, backend: str = "auto", trtllm_env: Any = None, runner: A
             extra["kv_cache_price"] = (
                 {"skipped": "llama.cpp serves GGUF with its own f16 KV cache; the FP8 cache is the torch runners'"}
                 if gguf else price_fp8_kv(recipe, tmp / "model"))
+            if _cpu_weights(recipe, chosen):  # what a CPU serves instead (llama.cpp for a gguf_* format)
+                cpu_src = layout.weights(recipe.build.cpu_quantization)
+                if not (cpu_src / (GGUF_FILE if is_gguf(recipe.build.cpu_quantization) else "config.json")).is_file():
+                    raise FileNotFoundError(f"build: no weights at {cpu_src} (build.cpu_quantization): "
+                                            "run the earlier stages first")
+                shutil.copytree(cpu_src, tmp / CPU_MODEL_DIR, ignore=shutil.ignore_patterns(mf.MANIFEST))
         else:
             (tmp / "engine").mkdir()
             extra["steps"] = tb.run_steps(steps or [], tmp / "engine", runner or tb.run_subprocess)
             # the tokenizer (and HF config) the runtime detokenizes with; weights live in the engine
             shutil.copytree(src, tmp / "model", ignore=shutil.ignore_patterns("*.safetensors", mf.MANIFEST))
         (tmp / ENGINE_FILE).write_text(json.dumps(engine_config(recipe, chosen, drafter_rel), indent=2) + "\n")
+        if _cpu_weights(recipe, chosen):
+            extra["cpu_quantization"] = recipe.build.cpu_quantization
         return dict(backend=chosen, weights=str(src), quantization=recipe.build.quantization,
                     files=mf.hash_tree(tmp), **extra)
 

@@ -88,13 +88,23 @@ def resolve_device(device: str) -> "torch.device":
     return dev
 
 
+def _weights_key(spec: dict[str, Any], device: Any, mode: str, deterministic: bool) -> str:
+    """Which of an engine folder's weights to serve: `cpu_model_dir` (build.cpu_quantization, e.g. a GGUF
+    that llama.cpp decodes several times faster) where the engine runs on a CPU, unless what was asked
+    needs the main weights: their drafter (speculative on) or the slot runner (deterministic)."""
+    if not spec.get("cpu_model_dir") or mode == "on" or deterministic:
+        return "model_dir"
+    return "cpu_model_dir" if resolve_device(str(device)).type == "cpu" else "model_dir"
+
+
 def engine_options(engine_dir: str | Path, overrides: dict[str, Any]) -> tuple[Path, dict[str, Any]]:
     """(model folder, EmbeddedEngine keywords) for a folder written by `make engine` (build/embedded/)
     or a plain HF checkpoint folder. `overrides` are `from_dir`'s keywords: `serving`, the command's
     serving settings (`serving_settings`; without it, the defaults under the command's environment);
     `speculative` (auto|on|off) and `speculative_max_batch` over serving.speculative; and any
     EmbeddedEngine keyword (device, deterministic, threads, ...), which wins over both. A `serving`
-    copy in `engine.json` (folders built before the settings left the build) is ignored."""
+    copy in `engine.json` (folders built before the settings left the build) is ignored. A folder
+    built with `build.cpu_quantization` serves those weights on a CPU (`_weights_key`)."""
     overrides = dict(overrides)
     serving: ServingSpec = overrides.pop("serving", None) or serving_settings()
     mode = overrides.pop("speculative", None) or serving.speculative.enabled
@@ -109,7 +119,8 @@ def engine_options(engine_dir: str | Path, overrides: dict[str, Any]) -> tuple[P
         spec = read_json(spec_file, "no engine folder here; run `make engine` first", "rebuild it with `make build`")
         if spec.get("backend") != "embedded":
             raise ValueError(f"{spec_file}: backend is {spec.get('backend')!r}, not 'embedded'")
-        model_dir = engine_dir / spec["model_dir"]
+        model_dir = engine_dir / spec[_weights_key(spec, overrides.get("device") or serving.device, mode,
+                                                   overrides.get("deterministic", serving.deterministic))]
         limits = spec["limits"]
         kw.update(max_batch_size=limits["max_batch_size"], max_seq_len=limits["max_seq_len"],
                   max_input_len=limits["max_input_len"],
