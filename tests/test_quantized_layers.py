@@ -85,6 +85,24 @@ def test_fp8_linears_of_one_input_concatenate_into_one_with_the_same_outputs(bia
     torch.testing.assert_close(fused.dequantized(), torch.cat([m.dequantized() for m in mods], 0), rtol=0, atol=0)
 
 
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)),
+                    reason="row-wise FP8 GEMMs need an SM 9.0 GPU")
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 40])
+def test_concatenated_fp8_linears_on_a_gpu_match_their_parts_below_and_above_the_row_wise_rows(rows):
+    """Per-channel scales: a per-tensor GEMM into float32 and one scaling launch below FP8_ROWWISE_MIN_ROWS,
+    the row-wise GEMM above; both give the separate layers' outputs (bf16 rounding apart)."""
+    from server.embedded.gpu_kernels import FP8_ROWWISE_MIN_ROWS
+
+    mods = [m.cuda() for m in _fp8_linears([256, 64, 64], 128, [0.01, 0.01, 0.01], True)]
+    fused = Fp8Linear.concatenate(mods)
+    assert fused is not None and fused.weight_scale.numel() == 384 and fused.unit_scale.is_cuda
+    x = torch.randn(rows, 128, dtype=torch.bfloat16, device="cuda")
+    want = torch.cat([m(x) for m in mods], -1).float()
+    got = fused(x).float()
+    assert got.shape == want.shape and FP8_ROWWISE_MIN_ROWS > 1
+    assert float((got - want).abs().max()) <= 1e-2 * float(want.abs().max())
+
+
 def test_fp8_linears_with_one_weight_scale_keep_a_single_scale_when_concatenated():
     a, b = _fp8_linears([8, 8], 16, [0.02, 0.02], False)
     b.weight_scale = a.weight_scale.clone()

@@ -59,6 +59,8 @@ def _kernels():
         row = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, BLOCK)
         live = c < H
+        if QUANT:  # loaded first: its latency overlaps the row's, not added after the reduction
+            scale = tl.load(s_ptr).to(tl.float32)
         h = tl.load(res_ptr + row * stride_r + c, mask=live, other=0.0)
         if ADD:  # the sum rounds to the model's dtype, as `residual + delta` does
             h = (h.to(tl.float32) + tl.load(delta_ptr + row * stride_d + c, mask=live, other=0.0).to(tl.float32))
@@ -71,7 +73,7 @@ def _kernels():
         w = tl.load(w_ptr + c, mask=live, other=0.0).to(tl.float32)
         out = (w * y).to(dt)
         if QUANT:  # the next FP8 GEMM's input, as gpu_kernels.quantize_e4m3 makes it from `out`
-            q = tl.math.div_rn(out.to(tl.float32), tl.load(s_ptr).to(tl.float32))
+            q = tl.math.div_rn(out.to(tl.float32), scale)
             out = tl.minimum(tl.maximum(q, -448.0), 448.0).to(tl.float8e4nv)
         tl.store(out_ptr + row * stride_o + c, out, mask=live)
 
@@ -123,6 +125,8 @@ def _kernels():
         row, blk = tl.program_id(0).to(tl.int64), tl.program_id(1)
         c = blk * BLOCK + tl.arange(0, BLOCK)
         live = c < INTER
+        if QUANT:  # loaded first (see add_rms_norm)
+            scale = tl.load(s_ptr).to(tl.float32)
         g = tl.load(gu_ptr + row * stride_g + c, mask=live, other=0.0)
         dt = g.dtype  # the model's dtype
         g = g.to(tl.float32)
@@ -130,7 +134,7 @@ def _kernels():
         act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)  # F.silu rounds before the product
         out = (act * u).to(dt)
         if QUANT:  # the down projection's FP8 input (the same rounding as in add_rms_norm)
-            q = tl.math.div_rn(out.to(tl.float32), tl.load(s_ptr).to(tl.float32))
+            q = tl.math.div_rn(out.to(tl.float32), scale)
             out = tl.minimum(tl.maximum(q, -448.0), 448.0).to(tl.float8e4nv)
         tl.store(out_ptr + row * stride_o + c, out, mask=live)
 

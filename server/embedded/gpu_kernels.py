@@ -10,7 +10,10 @@
   than `_scaled_mm` on the H200, so it is off by default.
 - `fp8_linear(x, w_fp8, w_scale, x_scale)`: per-tensor FP8 e4m3 as TensorRT-LLM runs ModelOpt's
   FP8 checkpoints: x quantised with the calibrated input scale, one FP8 tensor-core GEMM with both
-  scales, bf16 out. Needs SM >= 8.9.
+  scales, bf16 out. Needs SM >= 8.9. Linears of one input concatenated keep one weight scale a
+  channel: cuBLASLt's row-wise GEMM from FP8_ROWWISE_MIN_ROWS rows, below it a per-tensor GEMM into
+  float32 whose channel scales, bias and cast `reduce_splits` applies (1.11x the engine's FP8 decode
+  at 14B batch 1 on an H100: bench/gpu-fp8-decode-h100.json).
 
 Imported lazily; `available()` says whether each can run on CUDA. The tests run the Triton kernels on
 a CPU under Triton's interpreter.
@@ -30,6 +33,11 @@ FP8_MAX = 448.0
 # batch (1.45x bf16 over a layer's four linears, weight-only 1.22x: widening e4m3 in registers costs more
 # than quantizing the activation); weight-only wins only on 1.5B's small linears, where bf16 wins anyway
 FP8_WEIGHT_ONLY_MAX_ROWS = int(os.environ.get("FP8_WEIGHT_ONLY_MAX_ROWS", "0"))
+# FP8 GEMMs with per-channel weight scales (q/k/v or gate/up concatenated) run cuBLASLt's row-wise kernel
+# from this many rows; below it, a per-tensor GEMM into float32 and the channel scales in one more launch:
+# profiled on an H100 at 14B batch 1 (`python -m server.bench.profile`), the row-wise kernel picks a
+# 128x128 tile for a single row and took 86 us a layer where the bytes allow 59
+FP8_ROWWISE_MIN_ROWS = int(os.environ.get("FP8_ROWWISE_MIN_ROWS", "17"))
 
 
 @functools.lru_cache(maxsize=None)
@@ -179,7 +187,7 @@ def quantize_e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def fp8_linear(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tensor,
                input_scale: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-               out_dtype: torch.dtype) -> torch.Tensor:
+               out_dtype: torch.dtype, unit: Optional[torch.Tensor] = None) -> torch.Tensor:
     """FP8: x / input_scale -> e4m3, one `_scaled_mm` with both scales (fp32 accumulate). `weight_scale`
     is one value (ModelOpt's per-tensor scale) or one per output channel (linears of one input
     concatenated, `Fp8Linear.concatenate`), which runs as `_scaled_mm`'s row-wise scaling."""
@@ -191,13 +199,26 @@ def fp8_linear(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Te
         xq = quantize_e4m3(x2, input_scale)
     else:
         xq = (x2.float() / input_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return fp8_gemm(xq, weight_fp8, weight_scale, input_scale, bias, out_dtype).reshape(*shape, weight_fp8.shape[0])
+    return fp8_gemm(xq, weight_fp8, weight_scale, input_scale, bias, out_dtype, unit).reshape(
+        *shape, weight_fp8.shape[0])
 
 
 def fp8_gemm(xq: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor,
-             bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+             bias: Optional[torch.Tensor], out_dtype: torch.dtype, unit: Optional[torch.Tensor] = None
+             ) -> torch.Tensor:
     """The GEMM of `fp8_linear` on an activation already in e4m3 ([M, K], quantized with `input_scale`,
-    e.g. by the fused norm or SiLU kernel that produced it): [M, N] in out_dtype."""
+    e.g. by the fused norm or SiLU kernel that produced it): [M, N] in out_dtype. With per-channel
+    weight scales and fewer than FP8_ROWWISE_MIN_ROWS rows, `unit` (a float32 1.0 on the device) makes
+    it a per-tensor GEMM into float32 whose channel scales, bias and cast one more launch applies."""
+    if weight_scale.numel() != 1 and unit is not None and xq.shape[0] < FP8_ROWWISE_MIN_ROWS:
+        y = torch._scaled_mm(xq, weight_fp8.t(), scale_a=input_scale.reshape(()).float(), scale_b=unit.float(),
+                             out_dtype=torch.float32)
+        m, n = y.shape
+        out = torch.empty((m, n), dtype=out_dtype, device=y.device)
+        block = 1024
+        _kernels()[1][(-(-(m * n) // block),)](y, weight_scale, out if bias is None else bias, out, m, n, SPLIT=1,
+                                               BLOCK=block, PER_CHANNEL=True, HAS_BIAS=bias is not None)
+        return out
     if weight_scale.numel() == 1:
         scale_a, scale_b = input_scale.reshape(()).float(), weight_scale.reshape(()).float()
     else:  # row-wise: one scale a row of x (all the same here), one an output channel

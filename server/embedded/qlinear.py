@@ -97,7 +97,8 @@ class Fp8Linear(torch.nn.Module):
 
             if x.numel() // self.in_features <= FP8_WEIGHT_ONLY_MAX_ROWS:  # decode: the activation stays bf16
                 return weight_only_linear(x.to(self.dtype), self.weight_e4m3, self.weight_scale, self.bias)
-            return fp8_linear(x, self.weight_e4m3, self.weight_scale, self.input_scale, self.bias, self.dtype)
+            return fp8_linear(x, self.weight_e4m3, self.weight_scale, self.input_scale, self.bias, self.dtype,
+                              getattr(self, "unit_scale", None))
         scale = self.weight_scale
         if self.input_scale is not None:
             xq = (x.float() / self.input_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
@@ -119,7 +120,8 @@ class Fp8Linear(torch.nn.Module):
         """forward() of an input already quantized with `e4m3_input_scale()`: [M, in] e4m3 -> [M, out]."""
         from server.embedded.gpu_kernels import fp8_gemm
 
-        return fp8_gemm(xq, self.weight_e4m3, self.weight_scale, self.input_scale, self.bias, self.dtype)
+        return fp8_gemm(xq, self.weight_e4m3, self.weight_scale, self.input_scale, self.bias, self.dtype,
+                        getattr(self, "unit_scale", None))
 
     def dequantized(self) -> torch.Tensor:
         scale = self.weight_scale
@@ -152,6 +154,8 @@ class Fp8Linear(torch.nn.Module):
         else:
             fused.register_buffer("weight_scale", torch.cat([s.reshape(1).expand(m.out_features)
                                                              for s, m in zip(scales, mods)]))
+            # 1.0 for the per-tensor GEMM that decode rows run instead of the row-wise one (gpu_kernels.fp8_gemm)
+            fused.register_buffer("unit_scale", torch.ones((), dtype=torch.float32, device=first.weight_scale.device))
         fused.register_buffer("input_scale", first.input_scale)
         fused.register_buffer("bias", None if first.bias is None else torch.cat([m.bias for m in mods], 0))
         return fused
