@@ -74,3 +74,19 @@ def test_the_fp8_activation_quantization_kernel_rounds_as_torch_does():
         tie = (exact - v).abs() == (exact - w).abs()
         assert (carry | tie).all()
     assert got[0, :2].float().tolist() == [448.0, -448.0]
+
+
+def test_the_weight_only_kernel_takes_the_configuration_tuned_on_its_gpu(monkeypatch):
+    from server.embedded import gpu_kernels as gk
+
+    monkeypatch.delenv(gk.CONFIG_ENV, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for name, want in [("NVIDIA H100 80GB HBM3", gk.CONFIGS["H100"]), ("NVIDIA H200", gk.CONFIGS["H200"]),
+                       ("NVIDIA A100-SXM4-80GB", gk.DEFAULT_CONFIG)]:
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, name=name: name)
+        gk.config_for.cache_clear()
+        assert gk.config_for(0) == want
+    monkeypatch.setenv(gk.CONFIG_ENV, "32,128,4,2")
+    gk.config_for.cache_clear()
+    assert gk.config_for(0) == (32, 128, 4, 2)
+    gk.config_for.cache_clear()

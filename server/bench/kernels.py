@@ -72,10 +72,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                             "int8_wo_best_config": min(per, key=per.get)})
             rows.append(row)
             print(json.dumps(row), flush=True)
-    meta = {**gpu_environment(), "config_in_use": gk.CONFIG}
+    meta = {**gpu_environment(), "config_in_use": gk.config_for(0)}
     if args.tune:
         meta["best_config"] = min(totals, key=totals.get)
-        print(f"[bench.kernels] best configuration over all shapes: {meta['best_config']} (in use: {gk.CONFIG})",
+        print(f"[bench.kernels] best configuration over all shapes: {meta['best_config']} (in use: {gk.config_for(0)})",
               file=sys.stderr)
     write_rows(args.out, meta, rows)
     return 0
