@@ -229,3 +229,14 @@ def test_which_weights_an_engine_folder_serves():
     assert _weights_key(both, "cpu", "on", False) == "model_dir"  # the drafter drafts for the main weights
     assert _weights_key(both, "cpu", "auto", True) == "model_dir"  # deterministic: the slot runner
     assert _weights_key({"model_dir": "model"}, "cpu", "auto", False) == "model_dir"
+
+
+def test_a_cpu_without_llama_cpp_serves_the_main_weights_and_says_so(monkeypatch, capsys):
+    from server.embedded import settings
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(settings.importlib.util, "find_spec", lambda name: None if name == "llama_cpp" else real(name))
+    spec = {"model_dir": "model", "cpu_model_dir": "cpu_model", "quantization": "int8_wo",
+            "cpu_quantization": "gguf_q8_0"}
+    assert settings._weights_key(spec, "cpu", "auto", False) == "model_dir"
+    assert "llama-cpp-python is not installed: serving int8_wo instead of gguf_q8_0" in capsys.readouterr().err

@@ -16,7 +16,9 @@ Nothing here imports torch at import time: the surfaces resolve settings for rem
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -94,7 +96,13 @@ def _weights_key(spec: dict[str, Any], device: Any, mode: str, deterministic: bo
     needs the main weights: their drafter (speculative on) or the slot runner (deterministic)."""
     if not spec.get("cpu_model_dir") or mode == "on" or deterministic:
         return "model_dir"
-    return "cpu_model_dir" if resolve_device(str(device)).type == "cpu" else "model_dir"
+    if resolve_device(str(device)).type != "cpu":
+        return "model_dir"
+    if str(spec.get("cpu_quantization", "")).startswith("gguf") and importlib.util.find_spec("llama_cpp") is None:
+        print(f"[embedded] llama-cpp-python is not installed: serving {spec.get('quantization')} instead of "
+              f"{spec['cpu_quantization']} on the CPU (make setup installs it)", file=sys.stderr)
+        return "model_dir"
+    return "cpu_model_dir"
 
 
 def engine_options(engine_dir: str | Path, overrides: dict[str, Any]) -> tuple[Path, dict[str, Any]]:
