@@ -74,6 +74,21 @@ def test_slots_copied_swapped_and_cut_back_keep_their_own_prefix(model):
     assert torch.equal(r.prefill(0, [42, 77], len(PROMPT)), want[-1])
 
 
+def test_two_held_slots_of_different_lengths_swap_and_copy_over_each_other(model):
+    """Swaps and copies move sequence state (llama_state_seq_*): a longer sequence written over a
+    shorter one and back, each slot then decoding as if it had been prefilled there."""
+    r = _runner(model)
+    long_seq, short_seq = PROMPT + [42, 77, 9], [5, 6, 7, 8]
+    want_long, want_short = r.score(0, long_seq + [11]), r.score(1, short_seq + [12])
+    r.prefill(0, long_seq, 0)
+    r.prefill(1, short_seq, 0)
+    r.swap(0, 1, len(long_seq))
+    got = r.decode([12, 11], [len(short_seq), len(long_seq)])
+    assert torch.equal(got[0], want_short[-1]) and torch.equal(got[1], want_long[-1])
+    r.copy(1, 0, len(PROMPT))  # slot 0 := the long sequence's first len(PROMPT) positions
+    assert torch.equal(r.prefill(0, long_seq[len(PROMPT):] + [11], len(PROMPT)), want_long[-1])
+
+
 def test_what_the_runner_cannot_do_is_refused_by_name(model, gguf_folder):
     from server.embedded.engine import EmbeddedEngine
     from server.embedded.llamacpp_runner import LlamaCppModel

@@ -8,9 +8,13 @@ sampling, stop strings, streaming) and hands only the forward and the KV cache t
 llama-cpp-python's low-level bindings (`llama_decode` over a batch of sequences).
 
 How the runner interface maps onto llama.cpp: slot i is llama.cpp sequence i, with its own KV
-stream of `max_seq_len` cells (allocated whole, as the GPU runner's static cache), plus one scratch
-stream. `copy` copies a whole stream (llama.cpp copies between streams only whole) and removes the
-tail; `swap` is three such copies through the scratch stream. Slots keep their sequence ids because
+stream of `max_seq_len` cells (allocated whole, as the GPU runner's static cache). `copy` moves a
+sequence's cells through llama.cpp's per-sequence state (`llama_state_seq_get_data` / `set_data`: the
+cells it holds, so the cost follows its length) and removes the tail; `swap` reads both states, then
+writes each into the other. (`llama_memory_seq_cp` copies between streams only whole: a
+deferred copy of all `max_seq_len` cells, 16 ms a copy for SmolLM2 at 4096 cells on 2 cores against 5.5
+for a 100-token state, measured; in a TIR run every request that ends or resumes swaps slots, and
+those copies took a third of the engine's time.) Slots keep their sequence ids because
 llama.cpp puts only consecutive increasing sequence ids in one micro-batch: a decode step over slots
 0..n-1 is one pass over the weights only while they are sequences 0..n-1 (exchanging ids in a table
 instead made every step after a request finished about 1.6x slower, measured). `prefill` first
@@ -91,20 +95,19 @@ class LlamaCppRunner:
                  batch_tokens: int = 512, kv_cache_dtype: str = "auto"):
         if kv_cache_dtype != "auto":
             raise ValueError(f"llama.cpp runner: kv_cache_dtype {kv_cache_dtype!r} is not supported (auto only)")
-        if not 0 < num_slots < min(batch_tokens, MAX_SEQUENCES):  # one more sequence is swap's scratch
-            raise ValueError(f"llama.cpp runner: {num_slots} slots (max_batch_size) is not in 1..{MAX_SEQUENCES - 1} "
-                             f"(llama.cpp's sequences, one kept for swaps) and below batch_tokens {batch_tokens}")
+        if not 0 < num_slots <= min(batch_tokens, MAX_SEQUENCES):  # a decode step's rows fit one batch
+            raise ValueError(f"llama.cpp runner: {num_slots} slots (max_batch_size) is not in 1..{MAX_SEQUENCES} "
+                             f"(llama.cpp's sequences) and at most batch_tokens {batch_tokens}")
         ll = self.ll = _llama()
         self.model = model
         self.num_slots, self.max_seq_len = num_slots, max_seq_len
-        self.scratch = num_slots  # the sequence `swap` parks a slot in
         self.device, self.dtype = torch.device("cpu"), torch.float32
         self.vocab_size = model.config.vocab_size
         threads = threads or max(1, os.cpu_count() or 1)
         params = ll.llama_context_default_params()
-        params.n_ctx = (num_slots + 1) * max_seq_len  # one stream of max_seq_len cells a slot, and the scratch
+        params.n_ctx = num_slots * max_seq_len  # one stream of max_seq_len cells a slot
         params.n_batch = params.n_ubatch = batch_tokens
-        params.n_seq_max = num_slots + 1
+        params.n_seq_max = num_slots
         params.n_threads = params.n_threads_batch = threads
         params.kv_unified = False
         self.ctx = ll.llama_init_from_model(model.handle, params)
@@ -135,21 +138,34 @@ class LlamaCppRunner:
             raise RuntimeError(f"llama.cpp runner: could not remove positions {start}.. of slot {slot} "
                                f"({self.model.path.name}: a model whose state cannot be cut back)")
 
+    def _state(self, slot: int) -> tuple[Any, int]:
+        """(buffer, bytes) of the slot's sequence state: its cells' K/V and positions."""
+        size = self.ll.llama_state_seq_get_size(self.ctx, slot)
+        buf = (ctypes.c_uint8 * max(1, size))()
+        return buf, self.ll.llama_state_seq_get_data(self.ctx, buf, size, slot)
+
+    def _restore(self, slot: int, state: tuple[Any, int], length: int) -> None:
+        """Slot := a state read by `_state`, cut to its first `length` positions."""
+        self._remove(slot)
+        buf, size = state
+        if size and not self.ll.llama_state_seq_set_data(self.ctx, buf, size, slot):
+            raise RuntimeError(f"llama.cpp runner: could not write {size} bytes of state into slot {slot} "
+                               "(no room in its KV stream)")
+        self._remove(slot, length)
+
     def copy(self, src: int, dst: int, length: int) -> None:
-        """Slot dst := slot src's first `length` positions (the whole stream copied, its tail removed)."""
+        """Slot dst := slot src's first `length` positions."""
         if length <= 0 or src == dst:
             return
-        self.ll.llama_memory_seq_cp(self.memory, src, dst, -1, -1)
-        self._remove(dst, length)
+        self._restore(dst, self._state(src), length)
 
     def swap(self, a: int, b: int, length: int) -> None:
         """Exchange the first `length` positions of two slots (what follows is removed)."""
         if length <= 0 or a == b:
             return
-        self.copy(a, self.scratch, length)
-        self.copy(b, a, length)
-        self.copy(self.scratch, b, length)
-        self._remove(self.scratch)
+        state_a, state_b = self._state(a), self._state(b)
+        self._restore(a, state_b, length)
+        self._restore(b, state_a, length)
 
     # ---- forward
     def _run(self, rows: list[tuple[int, int, int, bool]]) -> np.ndarray:
