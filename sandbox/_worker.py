@@ -31,6 +31,9 @@ Two modes:
   at the time limit; if the cell ignores that, this process kills the child shortly after. Any
   unparseable, out-of-order or oversized status, or the child's death, is a crash: the reply says
   `crashed` and the host restores the session (op `reset` forks a fresh child from the zygote).
+  When a session ends, op `park` kills its child and everything else in the namespace; the host
+  keeps the worker for a later session, which op `reset` starts (fresh temporary folders, IPC
+  namespace and child, as after a crash) instead of starting a new worker.
 """
 
 import ctypes
@@ -879,6 +882,11 @@ def _serve_session(cfg, base_globals):
             _send({"id": rid, "pong": True})
         elif req.get("op") == "reset":
             _send({"id": rid, "reset": start()})
+        elif req.get("op") == "park":  # the session ended: nothing of it runs on; `reset` starts the next
+            if child is not None:
+                child.kill()
+                child = None
+            _send({"id": rid, "parked": _kill_others_and_reap()})
         elif child is None or not child.alive:
             _send({"id": rid, "status": {"kind": "crash"}, "stdout": Capture(0).render(),
                    "stderr": Capture(0).render(), "seconds": 0.0, "crashed": "missing", "clean": True})

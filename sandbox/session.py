@@ -1,7 +1,8 @@
 """Stateful python sessions: one sample's variables across its cells, restored after a crash.
 
 Its own module because a session lives apart from the pool's warm workers (a worker and slot of
-its own) and carries the crash-restore machinery stateless cells do not need.
+its own, recycled by the pool once the session ends) and carries the crash-restore machinery
+stateless cells do not need.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from sandbox.worker import Worker, WorkerDied
 
 SESSION_MIN_SECONDS = 0.05  # a session cell needs at least this much of its time limit left to start
 KILL_JOIN_SECONDS = 10.0
+PARK_SECONDS = 5.0  # for a worker to kill what an ended session left running
 
 
 class Session:
@@ -37,11 +39,15 @@ class Session:
     The memory limit covers the session's interpreter and all it started, across its cells.
     """
 
-    def __init__(self, config: SandboxConfig, mechanism: str, slot: int, on_close=None):
+    def __init__(self, config: SandboxConfig, mechanism: str, slot: int, on_close=None,
+                 worker: Worker | None = None):
+        """`worker`: a session worker of `slot` whose interpreter was just reset (`SandboxPool` recycles
+        the workers of closed sessions); None starts a new one. `on_close(session, worker)` gets the
+        worker back when it can serve another session (no cell running, no restore), else None."""
         self.config, self.mechanism, self.slot = config, mechanism, slot
         self._on_close = on_close
         self._history: list[tuple[str, float]] = []
-        self._worker: Worker | None = Worker(config, mechanism, slot, mode="session")
+        self._worker: Worker | None = worker or Worker(config, mechanism, slot, mode="session")
         self._run_lock = threading.Lock()  # one cell at a time
         self._wlock = threading.Lock()  # guards _worker and _closed against the restore thread
         self._restore: threading.Thread | None = None
@@ -193,19 +199,28 @@ class Session:
         return await asyncio.to_thread(self.run, code, timeout)
 
     def close(self) -> None:
-        """Kill the session's worker and everything in it now (a running restore stops with it)."""
+        """End the session: everything its code started is killed now. Its worker, emptied (`park`),
+        goes back to `on_close` for another session when it was idle (no cell running, no restore)
+        and is its namespace's pid 1 (isolation 'none' has no namespace to empty); else the worker
+        is killed with everything in it (a running restore stops with it)."""
         with self._wlock:
             if self._closed:
                 return
             self._closed = True
             w, self._worker = self._worker, None
-        if w is not None:
+        idle = self._run_lock.acquire(blocking=False)  # no cell of this session is running
+        if idle:
+            self._run_lock.release()
+        restoring = self._restore is not None and self._restore.is_alive()
+        spare = w if (w is not None and idle and not restoring and self._on_close is not None
+                      and self.mechanism != "none" and _park(w)) else None
+        if w is not None and spare is None:
             w.close()
         t = self._restore
         if t is not None:
             t.join(KILL_JOIN_SECONDS)
         if self._on_close is not None:
-            self._on_close(self)
+            self._on_close(self, spare)
 
     def __enter__(self) -> "Session":
         return self
@@ -213,3 +228,10 @@ class Session:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+
+def _park(worker: Worker) -> bool:
+    """Kill what the ended session left in its worker; True when the worker is empty and alive."""
+    try:
+        return worker.alive() and worker.request({"op": "park"}, PARK_SECONDS).get("parked") is True
+    except WorkerDied:
+        return False

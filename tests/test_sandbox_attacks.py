@@ -71,6 +71,54 @@ def test_session_close_kills_threads_setsid_and_detached_children(pool):
     assert survivors(uid) == [] and survivors(marker=marker) == []  # gone by the time close() returns
 
 
+def test_a_recycled_session_worker_starts_empty_and_nothing_of_the_last_session_runs_on(pool):
+    """A closed session's worker serves the next session (SandboxPool.session resets it): by the time
+    close() returns nothing of the old session runs (threads, detached setsid children), and the new
+    session sees none of its variables, files or modules."""
+    marker = f"sandbox-recycled-{uuid.uuid4().hex}"
+    a = pool.session()
+    uid, worker = session_uid(a), a._worker
+    code = (detached_spinner(marker) + "import os, threading, json\nsecret = 42\n"
+            "open('/tmp/left-' + str(secret), 'w').write('x')\n"
+            "threading.Thread(target=lambda: [None for _ in iter(int, 1)]).start()\nprint('started')")
+    assert a.run(code, timeout=3).stdout.text == "started\n"
+    a.close()
+    assert survivors(uid) == [] and survivors(marker=marker) == []  # nothing of it runs on
+    b = pool.session()
+    try:
+        assert b._worker is worker and session_uid(b) == uid  # the same worker, reset
+        r = b.run("import os\nprint('secret' in globals(), [f for f in os.listdir('/tmp') if 'left' in f], "
+                  "'json' in dir())")
+        assert r.stdout.text == "False [] False\n", r  # /tmp holds only the fresh cell folder
+        assert b.run("x = 1\nprint(x + 1)").stdout.text == "2\n"
+    finally:
+        b.close()
+    healthy(pool)
+
+
+def test_a_session_closed_during_a_cell_is_not_recycled(pool):
+    import threading
+
+    s = pool.session()
+    uid, worker = session_uid(s), s._worker
+    started = threading.Event()
+    result = []
+
+    def run() -> None:
+        started.set()
+        result.append(s.run("while True:\n    pass", timeout=4))
+
+    t = threading.Thread(target=run)
+    t.start()
+    started.wait()
+    time.sleep(0.5)  # the cell is running
+    s.close()
+    t.join(10)
+    assert not t.is_alive() and survivors(uid) == []
+    assert worker not in pool._spare_sessions and not Path(f"/proc/{worker.init_pid}").exists()
+    healthy(pool)
+
+
 def test_pool_close_ends_every_session_and_worker():
     p = SandboxPool(SandboxConfig(pool_size=1, **FAST))
     marker = f"sandbox-poolclose-{uuid.uuid4().hex}"
