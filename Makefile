@@ -93,6 +93,7 @@ check: $(SETUP)
 # recipe section, upstream fingerprints, inputs, VERSION; see trtbuild/stages.py) and otherwise
 # skips in a second. FORCE=<stage>[,<stage>] (or all) rebuilds even an up-to-date stage.
 sources: $(SETUP)
+	@$(TB) plan
 	@echo "== sources: $(RECIPE) -> $(OUT)/sources/"
 	$(TB) sources
 

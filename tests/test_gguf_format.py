@@ -48,7 +48,8 @@ def test_the_recipe_takes_gguf_q8_0_as_a_format_and_as_the_served_weights():
 @pytest.mark.parametrize("changes, key, value", [
     ({"quantize": {"formats": ["gguf_q4_0"]}}, "quantize.formats[0]", "'gguf_q4_0'"),
     ({"build": {"quantization": "gguf"}}, "build.quantization", "'gguf'"),
-    ({"build": {"quantization": "gguf_q8_0"}, "drafter": {"kind": "none"}}, "build.quantization", "'gguf_q8_0'"),
+    ({"quantize": {"formats": ["int8_wo"]}, "build": {"quantization": "gguf_q8_0", "cpu_quantization": None},
+      "drafter": {"kind": "none"}}, "build.quantization", "'gguf_q8_0'"),
     ({"quantize": {"formats": ["gguf_q8_0"]}, "build": {"quantization": "gguf_q8_0", "backend": "trtllm"},
       "drafter": {"kind": "none"}}, "build.backend", "'trtllm'"),
     ({"quantize": {"formats": ["gguf_q8_0"]}, "build": {"quantization": "gguf_q8_0"}}, "drafter.kind",

@@ -214,15 +214,17 @@ def test_entropy_is_collected_from_top_logprobs(pool):
     assert t.entropy_count == len("\\boxed{1}") and t.mean_entropy is not None and abs(t.mean_entropy - 0.6931) < 1e-3
 
 
-def test_a_session_started_for_a_cancelled_sample_is_closed(pool):
-    # the session starts in a thread (~1 s); a sample cancelled meanwhile must not leak it
-    eng = ScriptedEngine(two_turn_script(["```python\nprint(1)\n```\n"], lambda out: ["x"]))
-    t, _ = run_cancelled_after(client(eng, pool), eng, 0.05)
-    assert t.finish == "cancelled"
-    deadline = time.monotonic() + 10
-    while pool._sessions and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not pool._sessions
+def test_a_session_started_for_a_cancelled_sample_is_closed():
+    # the session starts in a thread (~1 s on a new pool, whose sessions need new workers: no closed
+    # session's worker to reuse); a sample cancelled meanwhile must not leak it
+    with SandboxPool(SandboxConfig(limits=Limits(wall_seconds=3), pool_size=1)) as fresh:
+        eng = ScriptedEngine(two_turn_script(["```python\nprint(1)\n```\n"], lambda out: ["x"]))
+        t, _ = run_cancelled_after(client(eng, fresh), eng, 0.05)
+        assert t.finish == "cancelled"
+        deadline = time.monotonic() + 10
+        while fresh._sessions and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not fresh._sessions
 
 
 class CountingSandbox:

@@ -2,7 +2,9 @@
 
 Stages (the table in `trtbuild/stages.py`): sources, merge, quantize, drafter, build; `engine` runs
 them all in order; `check` validates a recipe; `report` summarises the manifests of a finished
-build; `doctor` says which backends this machine can use and why not. Each stage skips itself when
+build; `doctor` says which backends this machine can use and why not; `plan` prints what the stages
+still to run write and hold (trtbuild/resources.py) and fails where this machine's disk or memory
+cannot hold it, as every stage command checks its own before it starts. Each stage skips itself when
 its fingerprint (recipe section, upstream fingerprints, inputs, VERSION) matches the finished
 output and its files match its manifest; `TRTBUILD_FORCE=<stage>` (`make ... FORCE=<stage>`)
 rebuilds it anyway. Stage commands hold a lock on `engines/<model>/` (a second run waits).
@@ -95,7 +97,7 @@ def report(recipe: Recipe) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m trtbuild", description=__doc__.splitlines()[0])
-    p.add_argument("command", choices=(*STAGES, "engine", "check", "report", "doctor"))
+    p.add_argument("command", choices=(*STAGES, "engine", "check", "report", "doctor", "plan"))
     p.add_argument("--recipe", default="engines/mix.yaml", help="recipe file (default: engines/mix.yaml)")
     p.add_argument("--backend", default="auto", choices=("auto", "embedded", "trtllm"))
     args = p.parse_args(argv)
@@ -109,6 +111,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "report":
         print(report(recipe))
+        return 0
+    if args.command == "plan":  # what the stages still to run write and hold, against this machine
+        from trtbuild.resources import ResourceError, check
+
+        try:
+            check(recipe, STAGES)
+        except ResourceError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
         return 0
     if args.command == "doctor":
         from trtbuild.doctor import report as doctor_report
@@ -126,6 +137,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_stages(todo: tuple[str, ...], recipe: Recipe, args: argparse.Namespace) -> int:
+    from trtbuild.resources import ResourceError, check
+
+    try:  # before any work: a stage that cannot fit fails now, not midway
+        check(recipe, todo, log=lambda m: print(m, file=sys.stderr))
+    except ResourceError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     for stage in todo:
         t = time.time()
         try:

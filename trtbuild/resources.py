@@ -1,0 +1,186 @@
+"""What a stage will write and hold, checked before it starts: a build that runs out of disk or memory
+should say so in one line at the start, not fail an hour in with a half-written folder.
+
+Sizes are in units of the model's bf16 checkpoint (`model_bytes`: 2 bytes a parameter of the largest
+source, counted from the checkpoint itself: safetensors headers or GGUF tensor shapes, nothing
+loaded). The per-stage factors are what the mix (SmolLM2-135M) wrote, rounded up; they are upper
+bounds for larger models, whose embeddings (kept in bf16 by every quantized format) are a smaller
+share of the weights:
+
+| stage | disk written (x bf16) | measured on the mix (135M, 272 MB bf16) |
+|---|---|---|
+| sources | 1.0 a converted or fine-tuned source | 272 MB each (hf sources are used in place: 0) |
+| merge | 1.0 | 260 MB |
+| quantize | 1.5 a ModelOpt format (HF + TensorRT-LLM exports), 0.6 gguf_q8_0 | 387 / 385 / 148 MB |
+| drafter | 0.25 | 58 MB |
+| build | the served weights (1.0 bf16, 0.7 int8/fp8, 0.6 gguf) + CPU weights + drafter | 359 MB |
+
+Disk is checked against the free space of the output folder's file system, for the stages still to
+run (a stage whose folder is complete counts 0). Memory: every stage that runs the model holds at
+least its bf16 weights, so a machine whose available memory is below `model_bytes` is refused; below
+`PEAK_FACTOR` x, a warning (float32 reference replies and ModelOpt's calibration copy peak there).
+`TRTBUILD_SKIP_RESOURCE_CHECK=1` skips the refusal (the estimate is still printed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from aimo_spec.recipe import GGUFPackageSource, HFSource, Recipe, RecipeError, TIRFinetuneSource, gguf_file
+from trtbuild import manifest as mf
+
+SKIP_ENV = "TRTBUILD_SKIP_RESOURCE_CHECK"
+PEAK_FACTOR = 3.0  # host memory a model-running stage may peak at, x the bf16 checkpoint (issue 22's bound)
+WEIGHTS = {"bf16": 1.0, "int8_wo": 0.7, "fp8": 0.7, "gguf_q8_0": 0.6}  # an engine's copy of the served weights
+QUANTIZE = {"int8_wo": 1.5, "fp8": 1.5, "gguf_q8_0": 0.6}
+DRAFTER = 0.25
+DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1,
+               "I16": 2, "I32": 4, "I64": 8, "BOOL": 1}
+
+
+class ResourceError(RuntimeError):
+    """Not enough disk or memory for the stages to run; the message gives the need and what is free."""
+
+
+@dataclass(frozen=True)
+class Need:
+    stage: str
+    disk_bytes: int  # what it writes (0 when its output is already complete)
+    memory_bytes: int  # the least it holds: the model's bf16 weights, where it runs the model
+
+
+def safetensors_params(folder: Path) -> int:
+    """Parameters in a folder's *.safetensors files, from their JSON headers (no tensor is read)."""
+    total = 0
+    for f in sorted(folder.glob("*.safetensors")):
+        with f.open("rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        for name, t in header.items():
+            if name != "__metadata__":
+                count = 1
+                for d in t["shape"]:
+                    count *= d
+                total += count
+    return total
+
+
+def gguf_params(path: Path) -> int:
+    """Parameters of a GGUF file, from its tensor table."""
+    from gguf import GGUFReader
+
+    return sum(int(t.n_elements) for t in GGUFReader(str(path)).tensors)
+
+
+def source_params(recipe: Recipe, name: str) -> Optional[int]:
+    """Parameters of one source, None where they cannot be told before the sources stage."""
+    src = recipe.sources[name]
+    if isinstance(src, TIRFinetuneSource):
+        return source_params(recipe, src.base)
+    if isinstance(src, GGUFPackageSource):
+        return gguf_params(gguf_file(src, f"{recipe.path}: sources.{name}"))
+    if isinstance(src, HFSource):
+        folder = recipe.resolve(src.path)
+        return safetensors_params(folder) or None
+    return None
+
+
+def model_bytes(recipe: Recipe) -> Optional[int]:
+    """The bf16 size of the largest source (what the merge writes), None if unknown."""
+    counts = [c for c in (source_params(recipe, n) for n in recipe.sources) if c]
+    return 2 * max(counts) if counts else None
+
+
+def _done(folder: Path) -> bool:
+    m = mf.read_manifest(folder)
+    return bool(m) and m.get("status") == "done"
+
+
+def needs(recipe: Recipe, todo: tuple[str, ...], size: int) -> list[Need]:
+    """What each stage of `todo` writes and holds, for a model of `size` bf16 bytes."""
+    layout, b = recipe.layout, recipe.build
+    out = []
+    for stage in todo:
+        if stage == "sources":
+            disk = sum(size for n, s in recipe.sources.items()
+                       if not isinstance(s, HFSource) and not _done(layout.source(n)))
+        elif stage == "merge":
+            disk = 0 if _done(layout.merge) else size
+        elif stage == "quantize":
+            disk = int(sum(QUANTIZE[f] * size for f in recipe.quantize.formats if not _done(layout.quantize_format(f))))
+        elif stage == "drafter":
+            disk = 0 if recipe.drafter.kind == "none" or _done(layout.drafter) else int(DRAFTER * size)
+        elif stage == "build" and any(_done(layout.engine(k)) for k in ("embedded", "trtllm")):
+            disk = 0
+        elif stage == "build":
+            factor = WEIGHTS[b.quantization] + (WEIGHTS[b.cpu_quantization] if b.cpu_quantization else 0.0)
+            factor += DRAFTER if recipe.drafter.kind != "none" else 0.0
+            disk = int(factor * size)
+        else:
+            disk = 0
+        out.append(Need(stage, disk, size))
+    return out
+
+
+def available_memory() -> Optional[int]:
+    """MemAvailable from /proc/meminfo (Linux), None elsewhere."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def free_disk(folder: Path) -> int:
+    p = folder
+    while not p.exists():
+        p = p.parent
+    return shutil.disk_usage(p).free
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.1f} GB"
+
+
+def check(recipe: Recipe, todo: tuple[str, ...], log: Any = print) -> list[Need]:
+    """Print what `todo` needs; raise ResourceError where the disk or memory cannot hold it (unless
+    TRTBUILD_SKIP_RESOURCE_CHECK=1). A recipe whose sources' size cannot be told is not checked."""
+    try:
+        size = model_bytes(recipe)
+    except RecipeError:
+        raise
+    except Exception as e:  # noqa: BLE001 - an unreadable header is the sources stage's error to report
+        log(f"[resources] model size unknown ({type(e).__name__}: {e}); not checked")
+        return []
+    if not size:
+        log("[resources] model size unknown before the sources stage; not checked")
+        return []
+    plan = needs(recipe, todo, size)
+    disk = sum(n.disk_bytes for n in plan)
+    free = free_disk(recipe.out_dir)
+    mem = available_memory()
+    log(f"[resources] model {_gb(size)} in bf16; {', '.join(todo)} write up to {_gb(disk)} "
+        f"({_gb(free)} free at {recipe.out_dir}); model-running stages hold {_gb(size)}-{_gb(PEAK_FACTOR * size)} "
+        f"of memory ({_gb(mem) if mem is not None else 'unknown'} available)")
+    problems = []
+    if disk > free:
+        problems.append(f"disk: up to {_gb(disk)} to write, {_gb(free)} free at {recipe.out_dir}")
+    if mem is not None and size > mem:
+        problems.append(f"memory: the model alone takes {_gb(size)} in bf16, {_gb(mem)} available")
+    elif mem is not None and PEAK_FACTOR * size > mem:
+        log(f"[resources] warning: stages may peak at {_gb(PEAK_FACTOR * size)} of memory, {_gb(mem)} available")
+    if problems:
+        msg = "; ".join(problems) + f" (set {SKIP_ENV}=1 to run anyway)"
+        if os.environ.get(SKIP_ENV) == "1":
+            log(f"[resources] warning: {msg}")
+        else:
+            raise ResourceError(msg)
+    return plan
