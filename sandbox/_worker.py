@@ -882,11 +882,11 @@ def _serve_session(cfg, base_globals):
             _send({"id": rid, "pong": True})
         elif req.get("op") == "reset":
             _send({"id": rid, "reset": start()})
-        elif req.get("op") == "park":  # the session ended: nothing of it runs on; `reset` starts the next
+        elif req.get("op") == "park":  # the session ended: nothing of it runs on or stays in memory
             if child is not None:
                 child.kill()
                 child = None
-            _send({"id": rid, "parked": _kill_others_and_reap()})
+            _send({"id": rid, "parked": _kill_others_and_reap() and _fresh_state(cfg)})
         elif child is None or not child.alive:
             _send({"id": rid, "status": {"kind": "crash"}, "stdout": Capture(0).render(),
                    "stderr": Capture(0).render(), "seconds": 0.0, "crashed": "missing", "clean": True})

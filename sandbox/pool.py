@@ -164,7 +164,12 @@ class SandboxPool:
 
     def _register(self, s: Session) -> Session:
         with self._lock:
-            self._sessions.add(s)
+            closed = self._closed
+            if not closed:
+                self._sessions.add(s)
+        if closed:  # the pool closed while this session started: it must not outlive the pool
+            s.close()
+            raise RuntimeError("sandbox pool is closed")
         return s
 
     @staticmethod

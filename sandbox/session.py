@@ -13,6 +13,7 @@ import time
 from dataclasses import replace
 
 from sandbox.config import SandboxConfig
+from sandbox.isolation import slot_uid
 from sandbox.outcome import lost_result, reply_result
 from sandbox.result import CellResult, Stream
 from sandbox.worker import Worker, WorkerDied
@@ -201,8 +202,9 @@ class Session:
     def close(self) -> None:
         """End the session: everything its code started is killed now. Its worker, emptied (`park`),
         goes back to `on_close` for another session when it was idle (no cell running, no restore)
-        and is its namespace's pid 1 (isolation 'none' has no namespace to empty); else the worker
-        is killed with everything in it (a running restore stops with it)."""
+        and its cells ran as the slot's uid in namespaces of their own (not isolation 'none', not user
+        namespaces alone, where cells are root inside theirs); else the worker is killed with
+        everything in it (a running restore stops with it)."""
         with self._wlock:
             if self._closed:
                 return
@@ -212,8 +214,10 @@ class Session:
         if idle:
             self._run_lock.release()
         restoring = self._restore is not None and self._restore.is_alive()
+        # recycled only where cells run as the slot's own uid (root host + namespaces): with user
+        # namespaces alone they are root inside theirs, and what such a cell changes there could outlive it
         spare = w if (w is not None and idle and not restoring and self._on_close is not None
-                      and self.mechanism != "none" and _park(w)) else None
+                      and slot_uid(self.slot, self.mechanism) is not None and _park(w)) else None
         if w is not None and spare is None:
             w.close()
         t = self._restore

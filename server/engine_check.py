@@ -14,6 +14,8 @@ import struct
 from pathlib import Path
 from typing import Any
 
+from aimo_spec.layout import GGUF_FILE
+
 
 class EngineFolderError(ValueError):
     """The engine folder cannot be served; the message names the file and what is wrong."""
@@ -43,6 +45,47 @@ def check_safetensors(path: Path) -> None:
         raise EngineFolderError(f"{path}: {size} bytes but its header describes {expected} (truncated or corrupt copy)")
 
 
+def _check_model_folder(model: Path, weights: bool) -> None:
+    """A model folder's tokenizer and, with `weights`, its weights: a GGUF file (served by llama.cpp) or
+    config.json + safetensors, each checked against its own header."""
+    if not model.is_dir():
+        raise EngineFolderError(f"{model}: missing (the engine's model/tokenizer folder); copy the whole build folder")
+    if not any((model / t).is_file() for t in TOKENIZER_FILES):
+        raise EngineFolderError(f"{model}: no tokenizer ({', '.join(TOKENIZER_FILES)})")
+    if not weights:
+        return
+    if (model / GGUF_FILE).is_file():
+        check_gguf(model / GGUF_FILE)
+        return
+    if not (model / "config.json").is_file():
+        raise EngineFolderError(f"{model / 'config.json'}: missing (nor a {GGUF_FILE})")
+    files = sorted(model.glob("*.safetensors"))
+    if not files:
+        raise EngineFolderError(f"{model}: no *.safetensors weights")
+    for w in files:
+        check_safetensors(w)
+
+
+def check_gguf(path: Path) -> None:
+    """A GGUF file whose header is readable and whose tensors all lie inside it (a truncated copy fails);
+    where the `gguf` package is not installed (a serving-only environment), its magic bytes only."""
+    with path.open("rb") as fh:
+        if fh.read(4) != b"GGUF":
+            raise EngineFolderError(f"{path}: not a GGUF file (no GGUF magic)")
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        return
+    try:
+        reader = GGUFReader(str(path))
+        end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
+    except Exception as e:  # noqa: BLE001 - any parse failure is a corrupt file
+        raise EngineFolderError(f"{path}: not a readable GGUF file, truncated or corrupt "
+                                f"({type(e).__name__}: {e})") from None
+    if end > path.stat().st_size:
+        raise EngineFolderError(f"{path}: {path.stat().st_size} bytes but its tensors end at {end} (truncated copy)")
+
+
 def check_engine_folder(folder: str | Path) -> dict[str, Any]:
     """The folder's engine.json, after checking that the folder holds what that backend loads."""
     from server.backends import read_engine_file
@@ -53,19 +96,10 @@ def check_engine_folder(folder: str | Path) -> dict[str, Any]:
     except (FileNotFoundError, ValueError) as e:
         raise EngineFolderError(str(e)) from None
     model = folder / str(spec.get("model_dir", "model"))
-    if not model.is_dir():
-        raise EngineFolderError(f"{model}: missing (the engine's model/tokenizer folder); copy the whole build folder")
-    if not any((model / t).is_file() for t in TOKENIZER_FILES):
-        raise EngineFolderError(f"{model}: no tokenizer ({', '.join(TOKENIZER_FILES)})")
-    if spec["backend"] == "embedded":
-        if not (model / "config.json").is_file():
-            raise EngineFolderError(f"{model / 'config.json'}: missing")
-        weights = sorted(model.glob("*.safetensors"))
-        if not weights:
-            raise EngineFolderError(f"{model}: no *.safetensors weights")
-        for w in weights:
-            check_safetensors(w)
-    elif spec["backend"] == "trtllm":
+    _check_model_folder(model, spec["backend"] == "embedded")
+    if spec["backend"] == "embedded" and spec.get("cpu_model_dir"):  # the weights a CPU serves (cpu_quantization)
+        _check_model_folder(folder / str(spec["cpu_model_dir"]), True)
+    if spec["backend"] == "trtllm":
         trt = folder / str(spec.get("engine_dir", "engine"))
         if not (trt / "config.json").is_file():
             raise EngineFolderError(f"{trt / 'config.json'}: missing (the TensorRT engine folder is incomplete)")

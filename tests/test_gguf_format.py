@@ -163,6 +163,23 @@ def test_the_build_packs_the_gguf_folder_and_the_report_shows_both(gguf_build):
 
 @pytest.mark.slow
 @needs_llama
+def test_the_engine_check_takes_a_gguf_model_folder_and_refuses_a_truncated_one(gguf_build, tmp_path):
+    import shutil
+
+    from server.engine_check import EngineFolderError, check_engine_folder
+
+    engine = gguf_build.out_dir / "build" / "embedded"
+    assert check_engine_folder(engine)["quantization"] == "gguf_q8_0"  # what make kaggle and the notebook check
+    copy = tmp_path / "engine"
+    shutil.copytree(engine, copy)
+    gguf = copy / "model" / GGUF_FILE
+    gguf.write_bytes(gguf.read_bytes()[: gguf.stat().st_size // 2])
+    with pytest.raises(EngineFolderError, match="truncated"):
+        check_engine_folder(copy)
+
+
+@pytest.mark.slow
+@needs_llama
 def test_the_engine_folder_is_served_on_the_llama_cpp_runner(gguf_build):
     from aimo_spec.protocol import Final, Request, SamplingParams
     from server.embedded.engine import EmbeddedEngine
@@ -215,6 +232,9 @@ def test_cpu_quantization_packs_the_gguf_beside_the_main_weights_and_a_cpu_serve
     assert (engine / cfg["model_dir"] / "config.json").is_file()
     assert (engine / cfg["cpu_model_dir"] / GGUF_FILE).is_file()
     assert "serves bf16 (gguf_q8_0 on CPUs)" in report(load_recipe(path))
+    from server.engine_check import check_engine_folder
+
+    assert check_engine_folder(engine)["cpu_model_dir"] == cfg["cpu_model_dir"]  # both folders checked
     model_dir, kw = engine_options(engine, {"device": "cpu"})
     assert model_dir == engine / cfg["cpu_model_dir"] and kw["runner"] == "llamacpp"
     model_dir, kw = engine_options(engine, {"device": "cpu", "deterministic": True})  # the slot runner's

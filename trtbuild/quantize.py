@@ -81,11 +81,21 @@ def reload_error(original: dict[str, Any], model: Any) -> dict[str, float]:
     return {"layers": n, "max_error_over_bound": worst}
 
 
+def _version(dist: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
 def format_fingerprint(recipe: Recipe, fmt: str, merged_fp: str) -> str:
-    if is_gguf(fmt):  # no calibration and no ModelOpt KV setting: only what llama.cpp's export and its price read
+    if is_gguf(fmt):  # no calibration and no ModelOpt KV setting: what llama.cpp's export and its price read,
+        # and llama.cpp's version (its converter makes the file, its kernels price it)
         return mf.fingerprint({"format": fmt, "quality": recipe.section("quality"),
                                "tags": recipe.section("serving")["code_tags"], "merged": merged_fp,
-                               "version": VERSION})
+                               "llama_cpp": _version("llama-cpp-python"), "version": VERSION})
     return mf.fingerprint({
         "format": fmt, "kv": recipe.quantize.kv_cache_dtype, "calibration": recipe.section("quantize")["calibration"],
         "quality": recipe.section("quality"), "tags": recipe.section("serving")["code_tags"],

@@ -16,7 +16,8 @@ share of the weights:
 | build | the served weights (1.0 bf16, 0.7 int8/fp8, 0.6 gguf) + CPU weights + drafter | 359 MB |
 
 Disk is checked against the free space of the output folder's file system, for the stages still to
-run (a stage whose folder is complete counts 0). Memory: every stage that runs the model holds at
+run (a stage whose folder is complete counts 0, as does a stale one: a rebuild is an estimate's
+miss, the folder it replaces is freed after). Memory: every stage that runs the model holds at
 least its bf16 weights, so a machine whose available memory is below `model_bytes` is refused; below
 `PEAK_FACTOR` x, a warning (float32 reference replies and ModelOpt's calibration copy peak there).
 `TRTBUILD_SKIP_RESOURCE_CHECK=1` skips the refusal (the estimate is still printed).
@@ -52,7 +53,7 @@ class ResourceError(RuntimeError):
 class Need:
     stage: str
     disk_bytes: int  # what it writes (0 when its output is already complete)
-    memory_bytes: int  # the least it holds: the model's bf16 weights, where it runs the model
+    memory_bytes: int  # the least it holds: the model's bf16 weights where it runs (0: nothing to do)
 
 
 def safetensors_params(folder: Path) -> int:
@@ -119,12 +120,14 @@ def needs(recipe: Recipe, todo: tuple[str, ...], size: int) -> list[Need]:
         elif stage == "build" and any(_done(layout.engine(k)) for k in ("embedded", "trtllm")):
             disk = 0
         elif stage == "build":
-            factor = WEIGHTS[b.quantization] + (WEIGHTS[b.cpu_quantization] if b.cpu_quantization else 0.0)
+            cpu = b.cpu_quantization if b.cpu_quantization not in (None, b.quantization) else None
+            factor = WEIGHTS[b.quantization] + (WEIGHTS[cpu] if cpu else 0.0)  # cpu_model/ where it differs
             factor += DRAFTER if recipe.drafter.kind != "none" else 0.0
             disk = int(factor * size)
         else:
             disk = 0
-        out.append(Need(stage, disk, size))
+        # a stage with nothing to write has nothing to run (hf sources are used in place, no model loaded)
+        out.append(Need(stage, disk, size if disk else 0))
     return out
 
 
@@ -165,6 +168,7 @@ def check(recipe: Recipe, todo: tuple[str, ...], log: Any = print) -> list[Need]
         return []
     plan = needs(recipe, todo, size)
     disk = sum(n.disk_bytes for n in plan)
+    held = max((n.memory_bytes for n in plan), default=0)
     free = free_disk(recipe.out_dir)
     mem = available_memory()
     log(f"[resources] model {_gb(size)} in bf16; {', '.join(todo)} write up to {_gb(disk)} "
@@ -173,9 +177,9 @@ def check(recipe: Recipe, todo: tuple[str, ...], log: Any = print) -> list[Need]
     problems = []
     if disk > free:
         problems.append(f"disk: up to {_gb(disk)} to write, {_gb(free)} free at {recipe.out_dir}")
-    if mem is not None and size > mem:
+    if mem is not None and held > mem:
         problems.append(f"memory: the model alone takes {_gb(size)} in bf16, {_gb(mem)} available")
-    elif mem is not None and PEAK_FACTOR * size > mem:
+    elif mem is not None and held and PEAK_FACTOR * size > mem:
         log(f"[resources] warning: stages may peak at {_gb(PEAK_FACTOR * size)} of memory, {_gb(mem)} available")
     if problems:
         msg = "; ".join(problems) + f" (set {SKIP_ENV}=1 to run anyway)"

@@ -223,7 +223,9 @@ def fp8_gemm(xq: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Ten
     """The GEMM of `fp8_linear` on an activation already in e4m3 ([M, K], quantized with `input_scale`,
     e.g. by the fused norm or SiLU kernel that produced it): [M, N] in out_dtype. With per-channel
     weight scales and fewer than FP8_ROWWISE_MIN_ROWS rows, `unit` (a float32 1.0 on the device) makes
-    it a per-tensor GEMM into float32 whose channel scales, bias and cast one more launch applies."""
+    it a per-tensor GEMM into float32 whose channel scales, bias and cast one more launch applies (the
+    bias added before the one rounding to out_dtype; the row-wise path rounds, then adds it in
+    out_dtype: logits of a q/k/v bias model differ by that rounding between the two row counts)."""
     if weight_scale.numel() != 1 and unit is not None and xq.shape[0] < FP8_ROWWISE_MIN_ROWS:
         y = torch._scaled_mm(xq, weight_fp8.t(), scale_a=input_scale.reshape(()).float(), scale_b=unit.float(),
                              out_dtype=torch.float32)

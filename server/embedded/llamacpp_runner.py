@@ -142,7 +142,10 @@ class LlamaCppRunner:
         """(buffer, bytes) of the slot's sequence state: its cells' K/V and positions."""
         size = self.ll.llama_state_seq_get_size(self.ctx, slot)
         buf = (ctypes.c_uint8 * max(1, size))()
-        return buf, self.ll.llama_state_seq_get_data(self.ctx, buf, size, slot)
+        got = self.ll.llama_state_seq_get_data(self.ctx, buf, size, slot)
+        if got != size:  # llama.cpp returns 0 where it failed: never write a partial or empty state
+            raise RuntimeError(f"llama.cpp runner: read {got} of {size} bytes of slot {slot}'s state")
+        return buf, got
 
     def _restore(self, slot: int, state: tuple[Any, int], length: int) -> None:
         """Slot := a state read by `_state`, cut to its first `length` positions."""
