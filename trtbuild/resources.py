@@ -171,9 +171,10 @@ def check(recipe: Recipe, todo: tuple[str, ...], log: Any = print) -> list[Need]
     held = max((n.memory_bytes for n in plan), default=0)
     free = free_disk(recipe.out_dir)
     mem = available_memory()
+    memory = (f"model-running stages hold {_gb(size)}-{_gb(PEAK_FACTOR * size)} of memory" if held else
+              "nothing to run")
     log(f"[resources] model {_gb(size)} in bf16; {', '.join(todo)} write up to {_gb(disk)} "
-        f"({_gb(free)} free at {recipe.out_dir}); model-running stages hold {_gb(size)}-{_gb(PEAK_FACTOR * size)} "
-        f"of memory ({_gb(mem) if mem is not None else 'unknown'} available)")
+        f"({_gb(free)} free at {recipe.out_dir}); {memory} ({_gb(mem) if mem is not None else 'unknown'} available)")
     problems = []
     if disk > free:
         problems.append(f"disk: up to {_gb(disk)} to write, {_gb(free)} free at {recipe.out_dir}")
