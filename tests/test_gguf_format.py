@@ -239,6 +239,10 @@ def test_cpu_quantization_packs_the_gguf_beside_the_main_weights_and_a_cpu_serve
     assert model_dir == engine / cfg["cpu_model_dir"] and kw["runner"] == "llamacpp"
     model_dir, kw = engine_options(engine, {"device": "cpu", "deterministic": True})  # the slot runner's
     assert model_dir == engine / cfg["model_dir"] and kw.get("runner") != "llamacpp"
+    model_dir, kw = engine_options(engine, {"device": "cpu", "weights": "main"})  # a benchmark's choice
+    assert model_dir == engine / cfg["model_dir"] and kw.get("runner") != "llamacpp"
+    with pytest.raises(ValueError, match="weights 'cpu'"):
+        engine_options(engine, {"weights": "cpu"})
 
 
 def test_which_weights_an_engine_folder_serves():

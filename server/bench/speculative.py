@@ -96,7 +96,9 @@ def open_engine(engine_dir: Path, speculative: bool, serving: Any, threads: Opti
     """The engine folder served with `serving` (its device included), drafting or not."""
     from server.embedded.engine import EmbeddedEngine
 
-    kw: dict[str, Any] = {"speculative": "on" if speculative else "off", "threads": threads}
+    # both runs on the main weights, the ones the drafter drafts for (a CPU would serve the plain run from
+    # the folder's CPU weights otherwise: build.cpu_quantization)
+    kw: dict[str, Any] = {"speculative": "on" if speculative else "off", "threads": threads, "weights": "main"}
     if speculative:
         kw["speculative_max_batch"] = 10**6  # draft at every batch size: the switch-off is what we measure
     return EmbeddedEngine.from_dir(engine_dir, serving=serving, **kw)

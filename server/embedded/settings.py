@@ -112,9 +112,13 @@ def engine_options(engine_dir: str | Path, overrides: dict[str, Any]) -> tuple[P
     `speculative` (auto|on|off) and `speculative_max_batch` over serving.speculative; and any
     EmbeddedEngine keyword (device, deterministic, threads, ...), which wins over both. A `serving`
     copy in `engine.json` (folders built before the settings left the build) is ignored. A folder
-    built with `build.cpu_quantization` serves those weights on a CPU (`_weights_key`)."""
+    built with `build.cpu_quantization` serves those weights on a CPU (`_weights_key`) unless `weights`
+    is "main" (a benchmark comparing drafting with plain decoding on the weights the drafter serves)."""
     overrides = dict(overrides)
     serving: ServingSpec = overrides.pop("serving", None) or serving_settings()
+    weights = overrides.pop("weights", "auto")  # "main": never the CPU weights (what a drafter is measured on)
+    if weights not in ("auto", "main"):
+        raise ValueError(f"weights {weights!r}: use auto or main")
     mode = overrides.pop("speculative", None) or serving.speculative.enabled
     max_batch = overrides.pop("speculative_max_batch", None)
     if max_batch is None:
@@ -127,8 +131,10 @@ def engine_options(engine_dir: str | Path, overrides: dict[str, Any]) -> tuple[P
         spec = read_json(spec_file, "no engine folder here; run `make engine` first", "rebuild it with `make build`")
         if spec.get("backend") != "embedded":
             raise ValueError(f"{spec_file}: backend is {spec.get('backend')!r}, not 'embedded'")
-        model_dir = engine_dir / spec[_weights_key(spec, overrides.get("device") or serving.device, mode,
-                                                   overrides.get("deterministic", serving.deterministic))]
+        deterministic = overrides.get("deterministic", serving.deterministic)
+        key = ("model_dir" if weights == "main" else
+               _weights_key(spec, overrides.get("device") or serving.device, mode, deterministic))
+        model_dir = engine_dir / spec[key]
         limits = spec["limits"]
         kw.update(max_batch_size=limits["max_batch_size"], max_seq_len=limits["max_seq_len"],
                   max_input_len=limits["max_input_len"],
