@@ -82,11 +82,29 @@ def test_the_weight_only_kernel_takes_the_configuration_tuned_on_its_gpu(monkeyp
     monkeypatch.delenv(gk.CONFIG_ENV, raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for name, want in [("NVIDIA H100 80GB HBM3", gk.CONFIGS["H100"]), ("NVIDIA H200", gk.CONFIGS["H200"]),
-                       ("NVIDIA A100-SXM4-80GB", gk.DEFAULT_CONFIG)]:
+                       ("NVIDIA A100-SXM4-80GB", gk.DEFAULT_CONFIGS)]:
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, name=name: name)
-        gk.config_for.cache_clear()
-        assert gk.config_for(0) == want
+        gk.configs_for.cache_clear()
+        for rows in (1, 16, 17, 64, 4096):
+            assert gk.config_for(0, rows) == gk.band_config(want, rows)
     monkeypatch.setenv(gk.CONFIG_ENV, "32,128,4,2")
-    gk.config_for.cache_clear()
-    assert gk.config_for(0) == (32, 128, 4, 2)
-    gk.config_for.cache_clear()
+    gk.configs_for.cache_clear()
+    assert gk.config_for(0) == gk.config_for(0, 64) == (32, 128, 4, 2)
+    gk.configs_for.cache_clear()
+
+
+def test_a_row_band_takes_the_smallest_band_that_holds_it():
+    from server.embedded.gpu_kernels import band_config
+
+    bands = {16: "small", 64: "verify"}
+    assert [band_config(bands, r) for r in (1, 16, 17, 64, 65)] == ["small", "small", "verify", "verify", "verify"]
+
+
+def test_the_configuration_override_takes_one_configuration_or_bands_and_names_a_bad_part():
+    from server.embedded.gpu_kernels import parse_configs
+
+    assert parse_configs("32,128,4,2") == {1: (32, 128, 4, 2)}
+    assert parse_configs("16=64,128,4,3; 64=128,128,8,4;") == {16: (64, 128, 4, 3), 64: (128, 128, 8, 4)}
+    for bad in ("", "64,128,4", "x=64,128,4,3", "16=64,128,four,3"):
+        with pytest.raises(ValueError, match="W8A16_CONFIG"):
+            parse_configs(bad)

@@ -7,7 +7,7 @@ For each weight shape (the fused q/k/v, o, fused gate/up and down projections) a
 weights (one scale), and FP8 `_scaled_mm` with its activation quantization. Each is timed as a CUDA
 graph replay (as the engine runs it, so its launches count); the weight bytes read per second beside
 it. `--tune` also times every configuration of a small grid for the weight-only kernel and names the
-best over all shapes (set it with W8A16_CONFIG).
+best over all shapes for each row band (16, 32, 64 rows; try it with W8A16_CONFIG="16=...;64=...").
 """
 
 from __future__ import annotations
@@ -25,7 +25,12 @@ from server.bench.device import cuda_device, gpu_environment, grid_arguments, wr
 
 SHAPES = {"1.5b": [(2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960)],
           "14b": [(7168, 5120), (5120, 5120), (27648, 5120), (5120, 13824)]}
-GRID = list(itertools.product((32, 64, 128), (128, 256), (4, 8), (3,)))
+GRID = list(itertools.product((32, 64, 128, 256), (128, 256), (4, 8), (3, 4)))
+
+
+def row_band(m: int) -> int:
+    """The band of `gpu_kernels.CONFIGS` that `m` rows fall in (the kernel's row tile: 16, 32 or 64)."""
+    return 16 if m <= 16 else 32 if m <= 32 else 64
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -39,7 +44,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     from server.embedded import gpu_kernels as gk
 
-    rows, totals = [], {c: 0.0 for c in GRID}
+    rows, totals = [], {}  # (row band, configuration): microseconds over the shapes
     for shape in args.shapes:
         for (n, k), m in itertools.product(SHAPES[shape], args.batches):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -67,16 +72,21 @@ def main(argv: Optional[list[str]] = None) -> int:
                         per[c] = time_graph(lambda: gk.weight_only_linear(x, q, sb, config=c))
                     except Exception:  # noqa: BLE001 - a configuration the compiler refuses
                         per[c] = float("inf")
-                    totals[c] += per[c]
+                    totals[row_band(m), c] = totals.get((row_band(m), c), 0.0) + per[c]
                 row.update({"int8_wo_best_us": round(min(per.values()), 1),
                             "int8_wo_best_config": min(per, key=per.get)})
             rows.append(row)
             print(json.dumps(row), flush=True)
-    meta = {**gpu_environment(), "config_in_use": gk.config_for(0)}
+    bands = sorted({row_band(m) for m in args.batches})
+    meta = {**gpu_environment(), "config_in_use": {b: gk.config_for(0, b) for b in bands}}
     if args.tune:
-        meta["best_config"] = min(totals, key=totals.get)
-        print(f"[bench.kernels] best configuration over all shapes: {meta['best_config']} (in use: {gk.config_for(0)})",
-              file=sys.stderr)
+        meta["best_config"] = {b: min((c for band, c in totals if band == b), key=lambda c: totals[b, c])
+                               for b in bands}
+        meta["best_config_env"] = ";".join(f"{b}={','.join(map(str, c))}" for b, c in meta["best_config"].items())
+        for b in bands:
+            print(f"[bench.kernels] rows <= {b}: best configuration over all shapes {meta['best_config'][b]}, "
+                  f"{totals[b, meta['best_config'][b]]:.0f} us against {totals.get((b, gk.config_for(0, b)), 0):.0f} "
+                  f"us in use {gk.config_for(0, b)}", file=sys.stderr)
     write_rows(args.out, meta, rows)
     return 0
 

@@ -128,23 +128,53 @@ def _split(m_tiles: int, n_tiles: int, k_blocks: int, sms: int) -> int:
     return split
 
 
-# (BLOCK_N, BLOCK_K, num_warps, num_stages) per GPU, the best over the 14B decode shapes of
-# `python -m server.bench.kernels --tune` there (rows pad to a 16-row tile, so the batch 16 tuning holds
-# at batch 1): H100 (2026-12-06: 14B int8 engine 1917 tok/s at batch 16 against 1744 with the H200's
-# choice, verify 1.74x a step against 1.79x), H200 (2026-12-04). Other GPUs take the H200's;
-# W8A16_CONFIG="n,k,warps,stages" overrides it (tuning on another GPU)
-CONFIGS = {"H100": (64, 128, 4, 3), "H200": (64, 256, 8, 3)}
-DEFAULT_CONFIG = CONFIGS["H200"]
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) per GPU and row band ({most rows: configuration}; more rows than
+# the last band take the last), the best over the 14B decode shapes of `python -m server.bench.kernels
+# --tune` there. Rows pad to a 16-row tile, so the batch-16 tuning holds at batch 1; a verify step (1 + 3
+# draft tokens a sequence) or a prefill chunk brings 32-64 rows, where the activation tile re-read for
+# every BLOCK_N columns costs more than the weight. H100 (2026-12-06: 14B int8 engine 1917 tok/s at
+# batch 16 against 1744 with the H200's choice), H200 (2026-12-04). Other GPUs take the H200's;
+# W8A16_CONFIG overrides them (tuning on another GPU): "n,k,warps,stages" for every row count, or bands as
+# "16=n,k,warps,stages;64=n,k,warps,stages"
+CONFIGS: dict[str, dict[int, tuple[int, int, int, int]]] = {
+    "H100": {16: (64, 128, 4, 3)},
+    "H200": {16: (64, 256, 8, 3)},
+}
+DEFAULT_CONFIGS = CONFIGS["H200"]
 CONFIG_ENV = "W8A16_CONFIG"
 
 
+def band_config(bands: dict[int, tuple[int, int, int, int]], rows: int) -> tuple[int, int, int, int]:
+    """The configuration of the smallest band that holds `rows` (the largest band's past them all)."""
+    return next((bands[b] for b in sorted(bands) if rows <= b), bands[max(bands)])
+
+
+def parse_configs(text: str) -> dict[int, tuple[int, int, int, int]]:
+    """W8A16_CONFIG's value: "n,k,warps,stages" (every row count) or "rows=n,k,warps,stages;..." (bands)."""
+    bands = {}
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        rows, _, config = part.rpartition("=")
+        values = tuple(int(v) for v in config.split(",")) if config.replace(",", "").isdigit() else ()
+        if len(values) != 4 or (rows and not rows.strip().isdigit()):
+            raise ValueError(f"{CONFIG_ENV}={text!r}: {part!r} is not 'n,k,warps,stages' or 'rows=n,k,warps,stages'")
+        bands[int(rows) if rows else 1] = values
+    if not bands:
+        raise ValueError(f"{CONFIG_ENV}={text!r} names no configuration")
+    return bands
+
+
 @functools.lru_cache(maxsize=None)
-def config_for(device: int) -> tuple[int, ...]:
-    """The weight-only kernel's configuration on CUDA device `device` (W8A16_CONFIG wins)."""
+def configs_for(device: int) -> dict[int, tuple[int, ...]]:
+    """The weight-only kernel's configurations by row band on CUDA device `device` (W8A16_CONFIG wins)."""
     if os.environ.get(CONFIG_ENV):
-        return tuple(int(v) for v in os.environ[CONFIG_ENV].split(","))
+        return parse_configs(os.environ[CONFIG_ENV])
     name = torch.cuda.get_device_name(device) if torch.cuda.is_available() else ""
-    return next((c for gpu, c in CONFIGS.items() if gpu in name), DEFAULT_CONFIG)
+    return next((c for gpu, c in CONFIGS.items() if gpu in name), DEFAULT_CONFIGS)
+
+
+def config_for(device: int, rows: int = 1) -> tuple[int, ...]:
+    """The weight-only kernel's configuration for `rows` activation rows on CUDA device `device`."""
+    return band_config(configs_for(device), rows)
 
 
 def weight_only_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
@@ -162,7 +192,8 @@ def weight_only_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     if weight.shape[1] != k or weight.stride(1) != 1:
         raise ValueError(f"weight_only_linear: weight {tuple(weight.shape)} does not take inputs of {k} features")
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    block_n, block_k, warps, stages = config or (config_for(x.device.index or 0) if x.is_cuda else DEFAULT_CONFIG)
+    block_n, block_k, warps, stages = config or (config_for(x.device.index or 0, m) if x.is_cuda
+                                                  else band_config(DEFAULT_CONFIGS, m))
     m_tiles, n_tiles, k_blocks = -(-m // block_m), -(-n // block_n), -(-k // block_k)
     if split is None:
         sms = sms or (_sm_count(x.device.index or 0) if x.is_cuda else 8)
