@@ -256,6 +256,19 @@ def test_which_weights_an_engine_folder_serves():
     assert _weights_key({"model_dir": "model"}, "cpu", "auto", False) == "model_dir"
 
 
+def test_cpu_weights_other_than_the_main_ones_serve_without_the_drafter_trained_on_the_main_ones(tmp_path):
+    from server.embedded.settings import engine_options
+
+    spec = {"backend": "embedded", "quantization": "bf16", "model_dir": "model", "cpu_model_dir": "cpu_model",
+            "cpu_quantization": "int8_wo", "drafter_dir": "drafter", "drafter": {"draft_len_per_beam": 3},
+            "limits": {"max_batch_size": 4, "max_seq_len": 256, "max_input_len": 128}}
+    (tmp_path / "engine.json").write_text(json.dumps(spec))
+    model_dir, kw = engine_options(tmp_path, {"device": "cpu"})
+    assert model_dir == tmp_path / "cpu_model" and "drafter" not in kw and "speculative" not in kw
+    model_dir, kw = engine_options(tmp_path, {"device": "cpu", "speculative": "on"})
+    assert model_dir == tmp_path / "model" and kw["drafter"] == tmp_path / "drafter"
+
+
 def test_a_cpu_without_llama_cpp_serves_the_main_weights_and_says_so(monkeypatch, capsys):
     from server.embedded import settings
 

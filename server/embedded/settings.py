@@ -137,8 +137,9 @@ def engine_options(engine_dir: str | Path, overrides: dict[str, Any]) -> tuple[P
         model_dir = engine_dir / spec[key]
         limits = spec["limits"]
         kw.update(max_batch_size=limits["max_batch_size"], max_seq_len=limits["max_seq_len"],
-                  max_input_len=limits["max_input_len"],
-                  **speculation(engine_dir, spec, mode, max_batch))
+                  max_input_len=limits["max_input_len"])
+        if key == "model_dir":  # the drafter learned the main weights' hidden states: other weights go without it
+            kw.update(speculation(engine_dir, spec, mode, max_batch))
     elif (engine_dir / "config.json").is_file() or (engine_dir / GGUF_FILE).is_file():
         model_dir = engine_dir  # a plain checkpoint: no drafter, and EmbeddedEngine's defaults for the limits
     else:
