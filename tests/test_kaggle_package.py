@@ -291,3 +291,24 @@ def test_make_kaggle_passes_kaggle_python_and_refuses_a_malformed_one_before_any
                                                      text=True).stdout
     proc = subprocess.run(["make", "-s", "kaggle", "KAGGLE_PYTHON=3.x"], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 2 and "KAGGLE_PYTHON must be 3.MINOR" in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("device", ["auto", "cuda", "cpu"])
+def test_the_package_leaves_the_cpu_weights_behind_unless_the_notebook_serves_on_the_cpu(tmp_path, device):
+    from server.kaggle.package import copy_engine
+
+    engine = tmp_path / "embedded"
+    for folder in ("model", "cpu_model", "drafter"):
+        (engine / folder).mkdir(parents=True)
+        (engine / folder / "weights.bin").write_bytes(b"w")
+    (engine / "manifest.json").write_text("{}")
+    spec = {"backend": "embedded", "model_dir": "model", "cpu_model_dir": "cpu_model",
+            "cpu_quantization": "gguf_q8_0", "drafter_dir": "drafter"}
+    (engine / "engine.json").write_text(json.dumps(spec))
+    copy_engine(engine, tmp_path / "out", keep_cpu_weights=device == "cpu")
+    copied = json.loads((tmp_path / "out" / "engine.json").read_text())
+    assert (tmp_path / "out" / "model" / "weights.bin").is_file() and (tmp_path / "out" / "drafter").is_dir()
+    assert not (tmp_path / "out" / "manifest.json").exists()
+    assert (tmp_path / "out" / "cpu_model").is_dir() == (device == "cpu")
+    assert ("cpu_model_dir" in copied) == (device == "cpu") and copied["model_dir"] == "model"
+    assert json.loads((engine / "engine.json").read_text()) == spec  # the source folder is untouched

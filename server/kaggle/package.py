@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from aimo_spec.layout import ENGINE_FILE
 from aimo_spec.recipe import ServingSpec, to_data
 from server.kaggle.competitions import COMPETITIONS
 from server.kaggle.predict import SERVING_FILE
@@ -207,6 +208,22 @@ def download_command(pinned: list[str], dest: Path, python_version: str = KAGGLE
             *(a for p in PLATFORMS for a in ("--platform", p)), "-d", str(dest), *pinned]
 
 
+def copy_engine(engine_dir: Path, dest: Path, keep_cpu_weights: bool) -> None:
+    """The engine folder as the notebook loads it. The weights that `build.cpu_quantization` packs for
+    CPUs (a GGUF beside the main weights) stay behind unless the notebook serves on the CPU: Kaggle's
+    AIMO notebooks run on GPUs, and a dataset's every byte is uploaded and mounted."""
+    spec_file = engine_dir / ENGINE_FILE
+    spec = json.loads(spec_file.read_text()) if spec_file.is_file() else {}
+    cpu_dir = spec.get("cpu_model_dir")
+    drop = not keep_cpu_weights and cpu_dir and cpu_dir != spec.get("model_dir")
+    skip = {"manifest.json"} | ({str(cpu_dir)} if drop else set())
+    shutil.copytree(engine_dir, dest, ignore=lambda folder, names: [
+        n for n in names if n in skip and Path(folder) == engine_dir])
+    if drop:
+        spec = {k: v for k, v in spec.items() if k not in ("cpu_model_dir", "cpu_quantization")}
+        (dest / ENGINE_FILE).write_text(json.dumps(spec, indent=2) + "\n")
+
+
 def build(engine_dir: Path, out: Path, problems_csv: Path, serving: ServingSpec, wheels: str = "project",
           dataset_name: str = "aimo-trt", problems: int = 50, competition: str = "aimo3",
           python_version: str = KAGGLE_PYTHON, trtllm_wheels: Optional[Path] = None,
@@ -240,7 +257,7 @@ def build(engine_dir: Path, out: Path, problems_csv: Path, serving: ServingSpec,
         (out / "wheels" / TRTLLM_WHEELS_DIR).mkdir()
         for w in trt_set:
             shutil.copy(w, out / "wheels" / TRTLLM_WHEELS_DIR / w.name)
-    shutil.copytree(engine_dir, out / "engine", ignore=shutil.ignore_patterns("manifest.json"))
+    copy_engine(engine_dir, out / "engine", keep_cpu_weights=serving.device == "cpu")
     (out / SERVING_FILE).write_text(json.dumps(to_data(serving), indent=2) + "\n")
     shutil.copy(problems_csv, out / "problems.csv")
     (out / "aimo_trt.ipynb").write_text(json.dumps(notebook(dataset_name, problems, competition, trtllm, answer_range),
