@@ -41,7 +41,7 @@ PORT ?= 8000
 URL ?=
 SERVE_ARGS ?=
 
-.PHONY: help setup triton-setup triton serve kaggle kaggle-trtllm-wheels eval engine sources merge quantize drafter build report check solve lint test bench clean doctor gpu-smoke trtllm-venv
+.PHONY: help setup triton-setup triton serve kaggle kaggle-trtllm-wheels eval engine sources merge quantize drafter build report check solve lint test bench bench-scale clean doctor gpu-smoke trtllm-venv
 
 help:
 	@echo "make setup                 create $(VENV) with the pinned embedded environment"
@@ -60,6 +60,7 @@ help:
 	@echo "make trtllm-venv           GPU host: $(TRTLLM_VENV) with the pinned TensorRT-LLM (TRTLLM_INDEX_URL=...)"
 	@echo "make test                  the test suite (what CI runs)"
 	@echo "make lint                  ruff over the tree (what CI runs first)"
+	@echo "make bench-scale SIZES=135m,0.5b  the whole pipeline on random Qwen2 models of growing size: seconds, RAM, GPU, disk a stage; fit, 7B/14B projection"
 	@echo "make bench MODEL=mix       every benchmark (sandbox, engine in-flight/sequential/library, harness, Triton, OpenAI serving, formats, speculative decoding) -> bench/summary.md"
 	@echo "make clean MODEL=mix       remove $(OUT)/"
 
@@ -245,6 +246,10 @@ bench: build $(TRITON_SETUP)
 	$(PY) -m server.bench.openai --engine $(OUT)/build/embedded --out bench/openai.json
 	$(PY) -m server.bench.llamacpp --out bench/llamacpp.json
 	@$(PY) -m server.bench.report --dir bench
+
+SIZES ?= 135m,0.5b
+bench-scale: $(SETUP)
+	$(PY) -m trtbuild.programs.bench_scale --sizes $(SIZES) --work engines/scale --out bench/scale.json --resume
 
 clean:
 	rm -rf $(OUT)

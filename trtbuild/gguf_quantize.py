@@ -51,7 +51,7 @@ def hf_logprobs(model: Any, vocab: int) -> Callable[[list[int], list[int]], torc
 
     @torch.no_grad()
     def lp(prompt: list[int], reply: list[int]) -> torch.Tensor:
-        logits = model(input_ids=torch.tensor([prompt + reply])).logits[0]
+        logits = model(input_ids=torch.tensor([prompt + reply], device=model.device)).logits[0]
         return _cut(logits[len(prompt) - 1: len(prompt) + len(reply) - 1], vocab)
 
     return lp

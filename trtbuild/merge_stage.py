@@ -70,21 +70,22 @@ def _merge(recipe: Recipe, tmp: Path, final: Path) -> dict[str, Any]:
 
 def _price_against_sources(recipe: Recipe, merged_dir: Path, dirs: dict[str, Path]) -> dict[str, Any]:
     from aimo_spec.chat import load_tokenizer
-    from server.embedded.loader import gate_dtype, load_model, use_all_cores
+    from server.embedded.loader import gate_dtype, load_model, stage_device, use_all_cores
     from trtbuild.quality import price, quality_prompts, record_replies
 
     use_all_cores()
     dtype = gate_dtype()  # the merge's price is in its weights; compute where it is fast
     tok = load_tokenizer(merged_dir)
     prompts = quality_prompts(recipe, tok)
-    merged = load_model(merged_dir, dtype=dtype)
+    dev = stage_device()
+    merged = load_model(merged_dir, dtype=dtype).to(dev)
     q = recipe.quality
     merged_replies = record_replies(merged, tok, prompts, q.max_new_tokens)
     out: dict[str, Any] = {"prompts": len(prompts), "max_new_tokens": q.max_new_tokens,
                            "example_reply": merged_replies.texts[0]}
     for name, d in dirs.items():
         mf.log(STAGE, f"quality: merged vs {name} on {len(prompts)} recorded prompts ...")
-        src = load_model(d, dtype=dtype)
+        src = load_model(d, dtype=dtype).to(dev)
         ref = record_replies(src, tok, prompts, q.max_new_tokens)
         p = price(src, merged, tok, ref, q.max_new_tokens, recipe.serving.code_tags, cand=merged_replies)
         mf.log(STAGE, f"quality vs {name}: {p.summary()}")

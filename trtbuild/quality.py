@@ -50,10 +50,10 @@ def record_replies(model: Any, tokenizer: Any, prompts: list[list[int]], max_new
     for i in range(0, len(prompts), batch):
         chunk = prompts[i : i + batch]
         width = max(map(len, chunk))
-        ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+        ids = torch.full((len(chunk), width), pad, dtype=torch.long, device=model.device)
         mask = torch.zeros_like(ids)
         for j, p in enumerate(chunk):  # left padding for generation
-            ids[j, width - len(p) :] = torch.tensor(p)
+            ids[j, width - len(p) :] = torch.tensor(p, device=model.device)
             mask[j, width - len(p) :] = 1
         out = model.generate(
             input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
@@ -73,7 +73,7 @@ def record_replies(model: Any, tokenizer: Any, prompts: list[list[int]], max_new
 @torch.no_grad()
 def _reply_logprobs(model: Any, prompt: list[int], reply: list[int]) -> torch.Tensor:
     """log p(. | prefix) at each reply position: [len(reply), vocab] in fp32."""
-    ids = torch.tensor([prompt + reply])
+    ids = torch.tensor([prompt + reply], device=model.device)
     logits = model(input_ids=ids).logits[0, len(prompt) - 1 : len(prompt) + len(reply) - 1]
     return logits.float().log_softmax(-1)
 
@@ -130,7 +130,7 @@ def price_of(ref_logprobs: LogProbs, cand_logprobs: LogProbs, ref: Replies, cand
         if not reply:
             continue
         lp_ref = ref_logprobs(prompt, reply)
-        lp_cand = cand_logprobs(prompt, reply)
+        lp_cand = cand_logprobs(prompt, reply).to(lp_ref.device)  # a runtime's may come from elsewhere
         kls += (lp_ref.exp() * (lp_ref - lp_cand)).sum(-1).clamp_min(0).tolist()
         agree += int((lp_ref.argmax(-1) == lp_cand.argmax(-1)).sum())
     kls_sorted = sorted(kls)

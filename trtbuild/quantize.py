@@ -127,19 +127,21 @@ def _modelopt_one(recipe: Recipe, fmt: str, merged_dir: Path, final: Path, tmp: 
     from modelopt.torch.export.model_utils import get_model_type
 
     from aimo_spec.chat import load_tokenizer
-    from server.embedded.loader import load_model
+    from server.embedded.loader import load_model, stage_device
     from trtbuild.quality import price
 
     tok = load_tokenizer(merged_dir)
+    dev = stage_device()
     model = load_model(merged_dir)
-    original = {k: v.detach().clone() for k, v in model.state_dict().items() if k.endswith(".weight")}
+    original = {k: v.detach().clone() for k, v in model.state_dict().items() if k.endswith(".weight")}  # host copy
+    model = model.to(dev)  # calibration and export where the gates run
     calib = calibration_texts(recipe, tok)
     mf.log(STAGE, f"{fmt}: ModelOpt {MODELOPT_ALGO[fmt]} calibration on {len(calib)} TIR traces ...")
 
     def forward_loop(m: Any) -> None:
         with torch.no_grad():
             for ids in calib:
-                m(input_ids=torch.tensor([ids]))
+                m(input_ids=torch.tensor([ids], device=dev))
 
     t = time.time()
     mtq.quantize(model, modelopt_config(fmt, recipe.quantize.kv_cache_dtype), forward_loop)
@@ -154,8 +156,9 @@ def _modelopt_one(recipe: Recipe, fmt: str, merged_dir: Path, final: Path, tmp: 
                                    inference_tensor_parallel=recipe.build.tp_size)
     export_seconds = time.time() - t
     del model
-    reloaded = load_model(tmp / "hf")
+    reloaded = load_model(tmp / "hf")  # on the host, beside `original`
     err = reload_error(original, reloaded)
+    reloaded = reloaded.to(dev)
     mf.log(STAGE, f"{fmt}: reloaded {err['layers']} quantized layers, worst error "
            f"{err['max_error_over_bound']:.3f} x rounding bound")
     if err["max_error_over_bound"] > 1.0 + 1e-3:
@@ -201,14 +204,15 @@ def run(recipe: Recipe) -> Path:
                 require()
             if ref is None:
                 from aimo_spec.chat import load_tokenizer
-                from server.embedded.loader import gate_dtype, load_model, use_all_cores
+                from server.embedded.loader import gate_dtype, load_model, stage_device, use_all_cores
                 from trtbuild.quality import quality_prompts, record_replies
 
                 use_all_cores()
                 tok = load_tokenizer(merged_dir)
                 # the bf16 weights, computed in gate_dtype (float32 on CPUs without native bf16)
-                ref_model = load_model(merged_dir, dtype=gate_dtype())
-                mf.log(STAGE, f"recording bf16-weight reference replies ({ref_model.dtype} compute) ...")
+                ref_model = load_model(merged_dir, dtype=gate_dtype()).to(stage_device())
+                mf.log(STAGE, f"recording bf16-weight reference replies ({ref_model.dtype} compute on "
+                              f"{ref_model.device}) ...")
                 ref = {"model": ref_model, "replies": record_replies(
                     ref_model, tok, quality_prompts(recipe, tok), recipe.quality.max_new_tokens)}
             reference = ref

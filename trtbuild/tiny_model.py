@@ -38,8 +38,11 @@ def make_tokenizer(out: Path):
 
 
 def make_model(out: Path, arch: str = "llama", seed: int = 0, tokenizer_from: Path | None = None,
-               hidden_size: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2) -> Path:
-    """A small random model of `arch` (llama | qwen2) saved as an HF folder with tokenizer."""
+               hidden_size: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+               intermediate_size: int | None = None, sharpen: bool = True) -> Path:
+    """A random model of `arch` (llama | qwen2) saved as an HF folder with tokenizer. `sharpen` scales
+    the matrices 4x (distinct, peaked outputs for small test models; off for the scale benchmark's
+    deep ones, whose activations it would blow up)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2Config
 
@@ -47,7 +50,7 @@ def make_model(out: Path, arch: str = "llama", seed: int = 0, tokenizer_from: Pa
     tok = AutoTokenizer.from_pretrained(str(tokenizer_from)) if tokenizer_from else make_tokenizer(out)
     if tokenizer_from:
         tok.save_pretrained(str(out))
-    common = dict(vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+    common = dict(vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=intermediate_size or 2 * hidden_size,
                   num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                   max_position_embeddings=1024,
                   bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
@@ -56,7 +59,7 @@ def make_model(out: Path, arch: str = "llama", seed: int = 0, tokenizer_from: Pa
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     with torch.no_grad():
-        for p in model.parameters():  # larger weights than the default init: distinct, peaked outputs
+        for p in model.parameters() if sharpen else ():  # larger than the default init: distinct, peaked outputs
             p.mul_(4.0) if p.ndim == 2 else None
     model.save_pretrained(str(out))
     return out

@@ -8,6 +8,7 @@ applies the exported scales (server/embedded/qlinear.py).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +125,22 @@ def gate_dtype() -> torch.dtype:
     native = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)() or \
         getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
     return torch.bfloat16 if native else torch.float32
+
+
+STAGE_DEVICE_ENV = "TRTBUILD_DEVICE"
+
+
+def stage_device() -> torch.device:
+    """Where the build's model-running stages (calibration, quality gates, the drafter's hidden states)
+    run: the first GPU when there is one (a 14B's gates take hours on host cores), else the CPU;
+    TRTBUILD_DEVICE=cpu|cuda[:N] chooses (a GPU too small for two copies of the model, say)."""
+    from server.embedded.settings import resolve_device
+
+    choice = os.environ.get(STAGE_DEVICE_ENV, "auto").strip() or "auto"
+    try:
+        return resolve_device(choice)
+    except ValueError as e:
+        raise ValueError(f"{STAGE_DEVICE_ENV}={choice!r}: {e}") from None
 
 
 def use_all_cores() -> None:

@@ -47,8 +47,7 @@ def run(recipe: Recipe) -> Optional[Path]:
 
 
 def _make(recipe: Recipe, final: Path, tmp: Path) -> dict[str, Any]:
-    from server.embedded.loader import load_model, use_all_cores
-    from server.embedded.settings import resolve_device
+    from server.embedded.loader import load_model, stage_device, use_all_cores
     from trtbuild.drafter import acceptance, data, train
 
     d = recipe.drafter
@@ -61,7 +60,7 @@ def _make(recipe: Recipe, final: Path, tmp: Path) -> dict[str, Any]:
     train_seqs, held = data.generate(recipe, target, train=not d.path, log=log)
     generation_seconds = time.time() - t
     use_all_cores()
-    model = load_model(target).to(resolve_device("auto"))  # hidden states and verification on a GPU when there is one
+    model = load_model(target).to(stage_device())  # hidden states and verification on a GPU when there is one
     training = None
     if d.path:
         drafter = train.load(recipe.resolve(d.path))
