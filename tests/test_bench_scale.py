@@ -35,6 +35,8 @@ def test_the_fit_is_linear_in_parameters_and_its_exponent_tells_the_growth():
     rows = [{"stage": s, "params": p, "seconds": t} for s in (*bench_scale.STAGES, "total") for p, t in linear]
     proj = bench_scale.summarize(rows)["total"]["projected_seconds"]
     assert proj["14b"] == pytest.approx(2.0 + 1e-7 * bench_scale.PROJECT["14b"], rel=1e-3)
+    flat = [{"stage": "drafter", "params": p, "seconds": t} for p, t in [(1e8, 57.0), (4e8, 50.0), (1.3e9, 50.6)]]
+    assert bench_scale.summarize(flat)["drafter"]["projected_seconds"]["14b"] == 50.6  # not a falling line's value
 
 
 def test_a_failed_stage_names_the_stage_and_its_recipe(tmp_path, monkeypatch):

@@ -133,11 +133,13 @@ def _split(m_tiles: int, n_tiles: int, k_blocks: int, sms: int) -> int:
 # --tune` there. Rows pad to a 16-row tile, so the batch-16 tuning holds at batch 1; a verify step (1 + 3
 # draft tokens a sequence) or a prefill chunk brings 32-64 rows, where the activation tile re-read for
 # every BLOCK_N columns costs more than the weight. H100 (2026-12-06: 14B int8 engine 1917 tok/s at
-# batch 16 against 1744 with the H200's choice), H200 (2026-12-04). Other GPUs take the H200's;
+# batch 16 against 1744 with the H200's choice; the 64-row band: the four 14B linears 184 against 220 us,
+# a 1+3 verify at batch 16 1.45x a decode step against 1.74x, bench/kernels-tune-h100.json),
+# H200 (2026-12-04). Other GPUs take the H200's;
 # W8A16_CONFIG overrides them (tuning on another GPU): "n,k,warps,stages" for every row count, or bands as
 # "16=n,k,warps,stages;64=n,k,warps,stages"
 CONFIGS: dict[str, dict[int, tuple[int, int, int, int]]] = {
-    "H100": {16: (64, 128, 4, 3)},
+    "H100": {16: (64, 128, 4, 3), 32: (64, 128, 4, 3), 64: (128, 128, 4, 3)},
     "H200": {16: (64, 256, 8, 3)},
 }
 DEFAULT_CONFIGS = CONFIGS["H200"]

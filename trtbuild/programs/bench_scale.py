@@ -143,7 +143,11 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     for stage in (*STAGES, "total"):
         pts = [(r["params"], r["seconds"]) for r in rows if r["stage"] == stage]
         f = fit(pts)
-        proj = {k: (round(f["a"] + f["b"] * v, 1) if f["b"] is not None else None) for k, v in PROJECT.items()}
+        # never below the largest size measured: a stage of fixed cost (the drafter's data is a recipe
+        # choice) fits a slope of noise, which may point down
+        floor = max(pts)[1] if pts else 0.0
+        proj = {k: (round(max(floor, f["a"] + f["b"] * v), 1) if f["b"] is not None else None)
+                for k, v in PROJECT.items()}
         out[stage] = {**f, "projected_seconds": proj}
     return out
 
@@ -199,6 +203,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         ap.error(f"--sizes: unknown {', '.join(unknown)} (known: {', '.join(SIZES)})")
     if args.resume and args.out is None:
         ap.error("--resume needs --out (the rows it goes on from)")
+    args.work = args.work.resolve()  # the recipe's source paths resolve against its own folder
     args.work.mkdir(parents=True, exist_ok=True)
     meta, rows = environment(), []
     if args.resume and args.out.is_file():
