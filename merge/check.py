@@ -9,25 +9,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-
-class _TensorIndex:
-    """name -> tensor across the safetensors shards of one checkpoint folder."""
-
-    def __init__(self, folder: Path):
-        from safetensors import safe_open
-
-        self.files = {}
-        for f in sorted(folder.glob("*.safetensors")):
-            with safe_open(str(f), "pt") as s:
-                for k in s.keys():
-                    self.files[k] = f
-
-    def get(self, name: str) -> Any:
-        from safetensors import safe_open
-
-        with safe_open(str(self.files[name]), "pt") as s:
-            return s.get_tensor(name)
-
+from aimo_spec.checkpoint import CheckpointTensors
 
 _SIGNIFICAND_BITS = {"bfloat16": 8, "float16": 11, "float32": 24}
 
@@ -46,14 +28,14 @@ def check_arithmetic(merged_dir: Path, source_dirs: dict[str, Path], weights: di
     """Max error of merged vs the fp32 weighted sum, in absolute terms and in output-dtype ulps."""
     import torch
 
-    out = _TensorIndex(merged_dir)
-    srcs = {k: _TensorIndex(d) for k, d in source_dirs.items()}
+    out = CheckpointTensors(merged_dir)
+    srcs = {k: CheckpointTensors(d) for k, d in source_dirs.items()}
     common = sorted(set(out.files).intersection(*(s.files for s in srcs.values())))
     names = sorted(random.Random(seed).sample(common, min(n, len(common))))
     worst_abs, worst_ulp, within = 0.0, 0.0, True
     for name in names:
-        merged = out.get(name)
-        terms = [w * srcs[k].get(name).double() for k, w in weights.items()]
+        merged = out[name]
+        terms = [w * srcs[k][name].double() for k, w in weights.items()]
         expected = sum(terms)
         err = (merged.double() - expected).abs()
         ulp = _ulp(expected, merged.dtype)

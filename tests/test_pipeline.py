@@ -89,6 +89,7 @@ def test_arithmetic_check_catches_a_wrong_tensor(qwen_build, tiny_models, tmp_pa
 def test_quantized_exports_reload_within_rounding(qwen_build):
     from safetensors.torch import load_file
 
+    from aimo_spec.checkpoint import CheckpointTensors
     from server.embedded.loader import load_model
     from trtbuild.quantize import reload_error
 
@@ -100,6 +101,27 @@ def test_quantized_exports_reload_within_rounding(qwen_build):
         model = load_model(out / "quantize" / fmt / "hf")
         err = reload_error(original, model)
         assert err["layers"] == 2 * 7 and err["max_error_over_bound"] <= 1.0 + 1e-3
+        assert reload_error(CheckpointTensors(out / "merge" / "model"), model) == err  # read a tensor at a time
+
+
+def test_checkpoint_tensors_read_each_tensor_as_stored(qwen_build, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from aimo_spec.checkpoint import CheckpointTensors
+
+    merged = qwen_build.out_dir / "merge" / "model"
+    whole = load_file(str(merged / "model.safetensors"))
+    lazy = CheckpointTensors(merged)
+    assert set(lazy) == set(whole) and len(lazy) == len(whole)
+    assert all(torch.equal(lazy[k], v) and lazy[k].dtype == v.dtype for k, v in whole.items())
+    names = sorted(whole)
+    save_file({k: whole[k] for k in names[:3]}, str(tmp_path / "a.safetensors"))  # a sharded folder
+    save_file({k: whole[k] for k in names[3:5]}, str(tmp_path / "b.safetensors"))
+    assert torch.equal(CheckpointTensors(tmp_path)[names[4]], whole[names[4]])
+    with pytest.raises(KeyError):
+        CheckpointTensors(tmp_path)[names[6]]
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
+        CheckpointTensors(tmp_path / "nothing")
 
 
 def test_engine_folder_serves_tokens(qwen_build):
@@ -313,3 +335,23 @@ def test_solve_reports_bad_problem_files(qwen_build, tmp_path, capsys):
     bad.write_text("id,problem,answer\n1,hi,seven\n")
     assert solve_main(["--recipe", str(qwen_build.path), "--problems", str(bad)]) == 2
     assert "line 2: column 'answer' must be an integer (got 'seven')" in capsys.readouterr().err
+
+
+def test_a_merge_written_in_shards_quantizes_and_checks_across_them(tiny_models, tmp_path, monkeypatch):
+    """Large models merge into many shards (mergekit holds a shard in host memory until it is full):
+    the exactness check, ModelOpt and the rounding check read across them."""
+    import trtbuild.merge_stage as merge_stage
+
+    monkeypatch.setattr(merge_stage, "SHARD_PARAMS", 100_000)
+    path = write_recipe(tmp_path, "tinyshards", {
+        "cot": {"kind": "hf", "path": str(tiny_models["qwen-cot"])},
+        "tir": {"kind": "hf", "path": str(tiny_models["qwen-tir"])},
+    }, quantize={"formats": ["int8_wo"], "calibration": {"size": 4, "max_length": 64}})
+    for stage in ("sources", "merge", "quantize"):
+        assert main([stage, "--recipe", str(path)]) == 0, stage
+    out = load_recipe(path).out_dir
+    shards = sorted((out / "merge" / "model").glob("*.safetensors"))
+    assert len(shards) > 2 and (out / "merge" / "model" / "model.safetensors.index.json").is_file()
+    assert mf.read_manifest(out / "merge")["arithmetic_check"]["within_rounding"]
+    q = mf.read_manifest(out / "quantize" / "int8_wo")
+    assert q["reload_error"]["layers"] == 2 * 7 and q["reload_error"]["max_error_over_bound"] <= 1.0 + 1e-3

@@ -47,6 +47,30 @@ def test_each_stage_still_to_run_counts_what_it_writes(tmp_path, tiny_models):
     assert held["sources"] == 0 and held["merge"] == size  # nothing to run holds nothing
 
 
+def test_the_time_estimate_covers_the_stages_still_to_run_from_the_measured_fit(tmp_path, tiny_models, monkeypatch,
+                                                                               capsys):
+    recipe = load_recipe(_recipe(tmp_path, tiny_models))
+    params = 14_770_000_000
+    plan = resources.needs(recipe, NAMES, 2 * params)
+    gpu = resources.estimate_seconds(recipe, plan, params, "gpu")
+    assert set(gpu) == {"merge", "quantize", "build"}  # hf sources and no drafter: nothing to run
+    a, b = resources.STAGE_SECONDS["gpu"]["merge"]
+    assert gpu["merge"] == pytest.approx(a + b * params)
+    two, eight = (resources.estimate_seconds(recipe, plan, params, "cpu", cores=c) for c in (2, 8))
+    assert eight["quantize"] == pytest.approx(two["quantize"] / 4) and two["quantize"] > gpu["quantize"]
+    sources = {name: {"kind": "hf", "path": str(tiny_models[f"qwen-{name}"])} for name in ("cot", "tir")}
+    one_format = load_recipe(write_recipe(tmp_path, "res1", sources, quantize={"formats": ["fp8"]},
+                                          build={"quantization": "fp8"}))
+    one = resources.estimate_seconds(one_format, resources.needs(one_format, NAMES, 2 * params), params, "gpu")
+    assert one["quantize"] == pytest.approx(gpu["quantize"] / 2)
+    done = [resources.Need(n.stage, 0, 0) for n in plan]  # every stage complete: nothing to estimate
+    assert resources.estimate_seconds(recipe, done, params, "gpu") == {}
+    monkeypatch.setattr(resources, "free_disk", lambda folder: 10**15)
+    monkeypatch.setattr(resources, "_where", lambda: "cpu")
+    resources.check(recipe, NAMES)
+    assert "[resources] time on the CPU, roughly" in capsys.readouterr().out
+
+
 def test_too_little_disk_or_memory_is_refused_in_one_line_unless_skipped(tmp_path, tiny_models, monkeypatch, capsys):
     path = _recipe(tmp_path, tiny_models)
     recipe = load_recipe(path)

@@ -48,7 +48,7 @@ def kv_cache_price(model_dir: Path, recipe: Recipe, device: str = "auto") -> Pri
     from server.embedded.runner import SlotRunner
     from server.embedded.settings import resolve_device
 
-    model = load_model(model_dir).to(resolve_device(device))
+    model = load_model(model_dir, device=resolve_device(device))
     tokenizer = load_tokenizer(model_dir)
     prompts = quality_prompts(recipe, tokenizer)
     q = recipe.quality

@@ -23,6 +23,13 @@ VERSION = 1  # bump when the output of this stage changes for the same inputs
 STAGE = "merge"
 
 
+# Parameters a merged shard holds. mergekit keeps a shard's tensors in host memory until it is full:
+# at its default (5B) that is the whole merged model of anything up to 5B parameters (a 1.5B's merge
+# peaked at 3.7x its bf16 size on an H100 host, bench/scale-gpu-h100.json). 500M bounds the held
+# output at 1 GB in bf16, whatever the model; a 14B writes 30 shards (with their index, as HF's do).
+SHARD_PARAMS = 500_000_000
+
+
 def fingerprint(recipe: Recipe) -> str:
     return mf.fingerprint({
         "merge": recipe.section("merge"), "quality": recipe.section("quality"),
@@ -54,7 +61,8 @@ def _merge(recipe: Recipe, tmp: Path, final: Path) -> dict[str, Any]:
     model_dir = tmp / "model"
     t = time.time()
     run_merge(MergeConfiguration.model_validate(cfg), str(model_dir),
-              MergeOptions(cuda=False, copy_tokenizer=True, lazy_unpickle=False, quiet=True, write_model_card=False))
+              MergeOptions(cuda=False, copy_tokenizer=True, lazy_unpickle=False, quiet=True, write_model_card=False,
+                           out_shard_size=SHARD_PARAMS))
     merge_seconds = time.time() - t
     check = check_arithmetic(model_dir, dirs, weights, recipe.merge.check_tensors)
     mf.log(STAGE, f"arithmetic check on {check['tensors_checked']} tensors: max error {check['max_abs_error']:.3g} "
@@ -78,14 +86,14 @@ def _price_against_sources(recipe: Recipe, merged_dir: Path, dirs: dict[str, Pat
     tok = load_tokenizer(merged_dir)
     prompts = quality_prompts(recipe, tok)
     dev = stage_device()
-    merged = load_model(merged_dir, dtype=dtype).to(dev)
+    merged = load_model(merged_dir, dtype=dtype, device=dev)
     q = recipe.quality
     merged_replies = record_replies(merged, tok, prompts, q.max_new_tokens)
     out: dict[str, Any] = {"prompts": len(prompts), "max_new_tokens": q.max_new_tokens,
                            "example_reply": merged_replies.texts[0]}
     for name, d in dirs.items():
         mf.log(STAGE, f"quality: merged vs {name} on {len(prompts)} recorded prompts ...")
-        src = load_model(d, dtype=dtype).to(dev)
+        src = load_model(d, dtype=dtype, device=dev)
         ref = record_replies(src, tok, prompts, q.max_new_tokens)
         p = price(src, merged, tok, ref, q.max_new_tokens, recipe.serving.code_tags, cand=merged_replies)
         mf.log(STAGE, f"quality vs {name}: {p.summary()}")

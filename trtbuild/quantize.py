@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from aimo_spec.layout import is_gguf
 from aimo_spec.recipe import Recipe
@@ -49,8 +49,10 @@ def calibration_texts(recipe: Recipe, tokenizer: Any) -> list[list[int]]:
     return out
 
 
-def reload_error(original: dict[str, Any], model: Any) -> dict[str, float]:
+def reload_error(original: Mapping[str, Any], model: Any, dtype: Any = None) -> dict[str, float]:
     """Worst error of each reloaded quantized weight vs the bf16 original, in units of its rounding bound.
+    `original`: the weights by name as the quantizer saw them (cast to `dtype`, default bf16, the dtype
+    the stage loads the model in); a tied lm_head is looked up as the embeddings.
 
     int8: |w - q*s| <= s/2 per output channel. e4m3: half the spacing of e4m3 at |w/s| (4
     significand bits; subnormal spacing 2^-9), times s. A value <= 1 means "within rounding".
@@ -63,8 +65,11 @@ def reload_error(original: dict[str, Any], model: Any) -> dict[str, float]:
     for name, module in model.named_modules():
         if not isinstance(module, (Int8WeightOnlyLinear, Fp8Linear)):
             continue
-        w = original[f"{name}.weight"].float()
+        key = f"{name}.weight"
+        if key not in original and name.endswith("lm_head"):
+            key = "model.embed_tokens.weight"  # tied: the checkpoint stores it once
         deq = module.dequantized()
+        w = original[key].to(dtype or torch.bfloat16).to(device=deq.device, dtype=torch.float32)
         if isinstance(module, Int8WeightOnlyLinear):
             bound = module.scale.float()[:, None] * 0.5
         else:
@@ -127,14 +132,13 @@ def _modelopt_one(recipe: Recipe, fmt: str, merged_dir: Path, final: Path, tmp: 
     from modelopt.torch.export.model_utils import get_model_type
 
     from aimo_spec.chat import load_tokenizer
+    from aimo_spec.checkpoint import CheckpointTensors
     from server.embedded.loader import load_model, stage_device
     from trtbuild.quality import price
 
     tok = load_tokenizer(merged_dir)
     dev = stage_device()
-    model = load_model(merged_dir)
-    original = {k: v.detach().clone() for k, v in model.state_dict().items() if k.endswith(".weight")}  # host copy
-    model = model.to(dev)  # calibration and export where the gates run
+    model = load_model(merged_dir, device=dev)  # calibration and export where the gates run
     calib = calibration_texts(recipe, tok)
     mf.log(STAGE, f"{fmt}: ModelOpt {MODELOPT_ALGO[fmt]} calibration on {len(calib)} TIR traces ...")
 
@@ -156,9 +160,9 @@ def _modelopt_one(recipe: Recipe, fmt: str, merged_dir: Path, final: Path, tmp: 
                                    inference_tensor_parallel=recipe.build.tp_size)
     export_seconds = time.time() - t
     del model
-    reloaded = load_model(tmp / "hf")  # on the host, beside `original`
-    err = reload_error(original, reloaded)
-    reloaded = reloaded.to(dev)
+    reloaded = load_model(tmp / "hf", device=dev)
+    # against the weights ModelOpt quantized, read back a tensor at a time (no second copy of the model)
+    err = reload_error(CheckpointTensors(merged_dir), reloaded)
     mf.log(STAGE, f"{fmt}: reloaded {err['layers']} quantized layers, worst error "
            f"{err['max_error_over_bound']:.3f} x rounding bound")
     if err["max_error_over_bound"] > 1.0 + 1e-3:
@@ -210,7 +214,7 @@ def run(recipe: Recipe) -> Path:
                 use_all_cores()
                 tok = load_tokenizer(merged_dir)
                 # the bf16 weights, computed in gate_dtype (float32 on CPUs without native bf16)
-                ref_model = load_model(merged_dir, dtype=gate_dtype()).to(stage_device())
+                ref_model = load_model(merged_dir, dtype=gate_dtype(), device=stage_device())
                 mf.log(STAGE, f"recording bf16-weight reference replies ({ref_model.dtype} compute on "
                               f"{ref_model.device}) ...")
                 ref = {"model": ref_model, "replies": record_replies(

@@ -21,6 +21,14 @@ miss, the folder it replaces is freed after). Memory: every stage that runs the 
 least its bf16 weights, so a machine whose available memory is below `model_bytes` is refused; below
 `PEAK_FACTOR` x, a warning (float32 reference replies and ModelOpt's calibration copy peak there).
 `TRTBUILD_SKIP_RESOURCE_CHECK=1` skips the refusal (the estimate is still printed).
+
+Time: each model-running stage takes about a + b x parameters seconds (`STAGE_SECONDS`), fitted by
+`python -m trtbuild.programs.bench_scale` on random-weight Qwen2 models, which generate to the length
+limit every time (so an upper bound for trained models, which stop at their EOS): on a GPU host from
+one H100's run at 135M-1.5B (bench/scale-gpu-h100.json; projecting past 1.5B is a straight line's
+guess), on the CPU from the 2-core CI host at 135M (bench/scale-cpu.json: one size, so proportional),
+scaled by 2 / the host's cores. Quantize's figure is for its two ModelOpt formats, scaled by the
+recipe's count; a TIR fine-tune source's training is not estimated.
 """
 
 from __future__ import annotations
@@ -43,6 +51,16 @@ QUANTIZE = {"int8_wo": 1.5, "fp8": 1.5, "gguf_q8_0": 0.6}
 DRAFTER = 0.25
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1,
                "I16": 2, "I32": 4, "I64": 8, "BOOL": 1}
+
+
+# stage -> (a seconds, b seconds a parameter); see the module docstring for where they were measured
+STAGE_SECONDS = {
+    "gpu": {"merge": (29.2, 8.2e-9), "quantize": (56.3, 16.3e-9), "drafter": (54.8, 0.0), "build": (117.6, 1.85e-9)},
+    "cpu": {"merge": (0.0, 46.5 / 106.7e6), "quantize": (0.0, 103.6 / 106.7e6), "drafter": (0.0, 342.1 / 106.7e6),
+            "build": (0.0, 113.7 / 106.7e6)},
+}
+MEASURED_CPU_CORES = 2
+MEASURED_QUANTIZE_FORMATS = 2
 
 
 class ResourceError(RuntimeError):
@@ -131,6 +149,39 @@ def needs(recipe: Recipe, todo: tuple[str, ...], size: int) -> list[Need]:
     return out
 
 
+def estimate_seconds(recipe: Recipe, plan: list[Need], params: int, where: str,
+                     cores: Optional[int] = None) -> dict[str, float]:
+    """Seconds each stage of `plan` with work to do should take for a model of `params` parameters, on
+    `where` ("gpu" or "cpu"; a CPU of `cores` cores, default this host's)."""
+    table = STAGE_SECONDS[where]
+    cpu_scale = MEASURED_CPU_CORES / max(1, cores or os.cpu_count() or 1) if where == "cpu" else 1.0
+    out = {}
+    for need in plan:
+        if need.stage not in table or not need.memory_bytes:
+            continue  # nothing to run (or the sources stage: hf sources are used in place)
+        a, b = table[need.stage]
+        seconds = (a + b * params) * cpu_scale
+        if need.stage == "quantize":
+            modelopt = [f for f in recipe.quantize.formats if f in ("int8_wo", "fp8")]
+            seconds *= max(1, len(modelopt)) / MEASURED_QUANTIZE_FORMATS
+        out[need.stage] = seconds
+    return out
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds / 3600:.1f} h" if seconds >= 5400 else f"{max(1, round(seconds / 60))} min"
+
+
+def _where() -> str:
+    """Where the model-running stages will run ("gpu" or "cpu"), as they choose it (TRTBUILD_DEVICE)."""
+    from server.embedded.loader import stage_device
+
+    try:
+        return "cpu" if stage_device().type == "cpu" else "gpu"
+    except ValueError:
+        return "cpu"  # a bad TRTBUILD_DEVICE: the stage itself names it
+
+
 def available_memory() -> Optional[int]:
     """MemAvailable from /proc/meminfo (Linux), None elsewhere."""
     try:
@@ -175,6 +226,13 @@ def check(recipe: Recipe, todo: tuple[str, ...], log: Any = print) -> list[Need]
               "nothing to run")
     log(f"[resources] model {_gb(size)} in bf16; {', '.join(todo)} write up to {_gb(disk)} "
         f"({_gb(free)} free at {recipe.out_dir}); {memory} ({_gb(mem) if mem is not None else 'unknown'} available)")
+    if held:
+        where = _where()
+        times = estimate_seconds(recipe, plan, size // 2, where)
+        if times:
+            log(f"[resources] time on the {where.upper()}, roughly (an upper bound from bench_scale's fit): "
+                + ", ".join(f"{k} {_duration(v)}" for k, v in times.items())
+                + f"; {_duration(sum(times.values()))} in all")
     problems = []
     if disk > free:
         problems.append(f"disk: up to {_gb(disk)} to write, {_gb(free)} free at {recipe.out_dir}")

@@ -74,7 +74,7 @@ def finetune(spec: TIRFinetuneSource, base_dir: Path, out_dir: Path, tags: CodeT
     log("sources", f"tir: {len(train)} traces ({sum(len(i) for i, _ in train)} tokens) in {time.time() - t0:.1f}s")
 
     device = resolve_device("auto")
-    model = load_model(base_dir, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32).to(device)
+    model = load_model(base_dir, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32, device=device)
     model = get_peft_model(
         model,
         LoraConfig(r=spec.lora_rank, lora_alpha=spec.lora_alpha, lora_dropout=0.0, target_modules=TARGET_MODULES),

@@ -44,14 +44,17 @@ def _set_module(root: torch.nn.Module, name: str, module: torch.nn.Module) -> No
     setattr(root.get_submodule(parent_name) if parent_name else root, child, module)
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> Any:
-    """A ready-to-run causal LM (eval mode) with quantization scales applied."""
+def load_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu") -> Any:
+    """A ready-to-run causal LM (eval mode) with quantization scales applied, on `device`. Unquantized
+    checkpoints load straight onto a GPU (no host copy of the weights: a 14B's would be 30 GB of RAM)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model_dir = Path(model_dir)
+    device = torch.device(device)
     algo = quant_algo(model_dir)
     if algo is None:
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+        on_gpu = {"device_map": str(device)} if device.type != "cpu" else {}
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, **on_gpu)
         return model.eval()
     if algo not in ("FP8", "W8A16"):
         raise ValueError(f"{model_dir / QUANT_CONFIG}: quant_algo {algo!r} is not supported by the embedded runtime")
@@ -99,7 +102,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> An
     still_meta = [n for n, p in model.named_parameters() if p.is_meta]
     if missing and still_meta:
         raise ValueError(f"{model_dir}: tensors missing from the checkpoint: {still_meta[:5]}")
-    return model.eval()
+    return model.to(device).eval()  # assembled on the host: the 8-bit weights are half a bf16 copy
 
 
 def _materialize_buffers(model: torch.nn.Module, config: Any, dtype: torch.dtype) -> None:

@@ -60,7 +60,7 @@ def _make(recipe: Recipe, final: Path, tmp: Path) -> dict[str, Any]:
     train_seqs, held = data.generate(recipe, target, train=not d.path, log=log)
     generation_seconds = time.time() - t
     use_all_cores()
-    model = load_model(target).to(stage_device())  # hidden states and verification on a GPU when there is one
+    model = load_model(target, device=stage_device())  # hidden states and verification on a GPU when there is one
     training = None
     if d.path:
         drafter = train.load(recipe.resolve(d.path))
