@@ -103,3 +103,46 @@ def test_the_engine_serves_with_an_fp8_cache(tiny_models):
         assert out.finish_reason == "length" and len(out.token_ids) == 12 and not out.error
     finally:
         eng.shutdown()
+
+
+class _CountingRunner:
+    """A runner double whose next token is the last one plus 1 (a row's own arithmetic), so each reply
+    is known in advance: what `runner_replies` must do with rows that end at different steps."""
+
+    vocab = 8
+
+    def __init__(self):
+        self.last: dict[int, int] = {}
+        self.decodes: list[tuple[list[int], list[int]]] = []
+
+    def _logits(self, tokens):
+        return torch.nn.functional.one_hot(torch.tensor([(t + 1) % self.vocab for t in tokens]), self.vocab).float()
+
+    def prefill(self, slot, prompt, start):
+        self.last[slot] = prompt[-1]
+        return self._logits([prompt[-1]])
+
+    def decode(self, tokens, positions):
+        self.decodes.append((list(tokens), list(positions)))
+        return self._logits(tokens)
+
+
+class _Tok:
+    eos_token_id = 5
+
+    def decode(self, tokens, skip_special_tokens=True):
+        return " ".join(map(str, tokens))
+
+
+@pytest.mark.parametrize("slots", [1, 3, 4])
+def test_batched_greedy_replies_end_each_row_at_its_eos_or_limit(slots):
+    from trtbuild.kv_price import runner_replies
+
+    prompts = [[7, 1], [3], [4], [0]]  # replies 2 3 4 5 | 4 5 | 5 | 1 2 3 4 (the limit)
+    runner = _CountingRunner()
+    got = runner_replies(runner, _Tok(), prompts, 4, slots)
+    assert got.tokens == [[2, 3, 4, 5], [4, 5], [5], [1, 2, 3, 4]]
+    assert got.texts[1] == "4 5" and got.prompts == prompts
+    if slots == 4:  # one batch: 3 decode steps for all rows; ended rows rewrite their last cell
+        assert [len(t) for t, _ in runner.decodes] == [4, 4, 4]
+        assert runner.decodes[-1] == ([4, 5, 5, 3], [4, 2, 1, 3])

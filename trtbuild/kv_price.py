@@ -17,21 +17,35 @@ import torch
 from aimo_spec.recipe import Recipe
 from trtbuild.quality import Price, Replies, price_of, quality_prompts
 
+# prompts replied to at once: a decode step of 8 rows costs little more than one of a single row where
+# the step is bound by reading the weights (a GPU, or a CPU's small-batch matmuls); trtbuild.quality
+# batches its greedy replies by the same number
+REPLY_SLOTS = 8
+
 
 @torch.inference_mode()
-def runner_replies(runner: Any, tokenizer: Any, prompts: list[list[int]], max_new_tokens: int) -> Replies:
-    """Greedy replies through a runner's slot 0 (prefill, then one decode step a token), ending at EOS."""
+def runner_replies(runner: Any, tokenizer: Any, prompts: list[list[int]], max_new_tokens: int,
+                   slots: int = 1) -> Replies:
+    """Greedy replies through a runner's slots 0..slots-1, `slots` prompts at a time (prefill each,
+    then one decode step a token for all of them), each ending at EOS. A row that has ended keeps
+    rewriting its last token in its own cell, so the others' steps stay one batched call."""
     eos = tokenizer.eos_token_id
     tokens: list[list[int]] = []
-    for prompt in prompts:
-        logits, reply = runner.prefill(0, prompt, 0), []
-        while len(reply) < max_new_tokens:
-            t = int(logits.argmax(-1))
-            reply.append(t)
-            if t == eos:
+    for start in range(0, len(prompts), slots):
+        chunk = prompts[start: start + slots]
+        logits = torch.stack([runner.prefill(j, p, 0).reshape(-1) for j, p in enumerate(chunk)])
+        replies: list[list[int]] = [[] for _ in chunk]
+        live = [True] * len(chunk)
+        while True:
+            picked = logits.argmax(-1).tolist()
+            for j, t in enumerate(picked):
+                if live[j]:
+                    replies[j].append(t)
+                    live[j] = t != eos and len(replies[j]) < max_new_tokens
+            if not any(live):
                 break
-            logits = runner.decode([t], [len(prompt) + len(reply) - 1])[0]
-        tokens.append(reply)
+            logits = runner.decode([r[-1] for r in replies], [len(p) + len(r) - 1 for p, r in zip(chunk, replies)])
+        tokens += replies
     return Replies(prompts, tokens, [tokenizer.decode(t, skip_special_tokens=True) for t in tokens])
 
 
@@ -53,9 +67,10 @@ def kv_cache_price(model_dir: Path, recipe: Recipe, device: str = "auto") -> Pri
     prompts = quality_prompts(recipe, tokenizer)
     q = recipe.quality
     length = max(map(len, prompts)) + q.max_new_tokens + 1
-    exact = SlotRunner(model, 1, length, initial_capacity=length)
-    fp8 = SlotRunner(model, 1, length, initial_capacity=length, kv_cache_dtype="fp8")
-    ref = runner_replies(exact, tokenizer, prompts, q.max_new_tokens)
-    cand = runner_replies(fp8, tokenizer, prompts, q.max_new_tokens)
+    slots = min(len(prompts), REPLY_SLOTS)
+    exact = SlotRunner(model, slots, length, initial_capacity=length)
+    fp8 = SlotRunner(model, slots, length, initial_capacity=length, kv_cache_dtype="fp8")
+    ref = runner_replies(exact, tokenizer, prompts, q.max_new_tokens, slots)
+    cand = runner_replies(fp8, tokenizer, prompts, q.max_new_tokens, slots)
     return price_of(lambda p, r: runner_logprobs(exact, p, r), lambda p, r: runner_logprobs(fp8, p, r), ref, cand,
                     recipe.serving.code_tags)
