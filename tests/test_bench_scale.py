@@ -95,3 +95,18 @@ def test_a_run_cut_short_keeps_its_stages_and_resume_goes_on_from_the_first_miss
     ran.clear()
     bench_scale.main(["--sizes", "135m", "--work", str(work), "--out", str(out), "--keep", "--resume"])
     assert ran == []  # a finished size is not run again
+
+
+def test_a_stage_process_reports_its_private_memory_beside_its_rss(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    holder = subprocess.Popen([sys.executable, "-c", "b = bytearray(64 << 20); import time; time.sleep(1.0)"])
+    peak = bench_scale.AnonPeak(holder.pid)
+    _, status, usage = os.wait4(holder.pid, 0)
+    anon = peak.stop()
+    if anon is None:
+        pytest.skip("no /proc/<pid>/status RssAnon on this system")
+    assert 64 << 20 <= anon <= usage.ru_maxrss * 1024
+    assert bench_scale.anon_bytes(2 ** 22 + 12345) is None  # no such process: nothing, not an error

@@ -7,9 +7,11 @@ For each size, two random-weight Qwen2 sources (the CoT and the TIR, Qwen2.5's s
 BPE tokenizer's vocabulary, generated here: nothing is downloaded) go through every stage of the mix's
 recipe (merge, int8_wo and fp8 with their quality gates, the drafter with the mix's settings, the
 embedded build), each stage in its own process. Per stage it records wall seconds, the process's peak
-host memory (its rusage), its peak GPU memory where it used one, and the disk it added to the model's
-folder. Then it fits, per stage, seconds = a + b x parameters and the growth exponent between the two
-largest sizes, and projects the 7B and 14B (Qwen2.5's parameter counts) cost from the linear fit.
+host memory (its rusage: resident pages, those of mmap'd weight files included) and its peak private
+memory (RssAnon sampled every 50 ms: what it holds itself), its peak GPU memory where it used one,
+and the disk it added to the model's folder. Then it fits, per stage, seconds = a + b x parameters
+and the growth exponent between the two largest sizes, and projects the 7B and 14B (Qwen2.5's
+parameter counts) cost from the linear fit.
 The JSON is written after every stage; `--resume` keeps its rows and goes on from the first stage it
 lacks (a run cut short by a time limit loses only the stage it was in).
 
@@ -28,6 +30,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -81,14 +84,49 @@ def folder_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) if folder.exists() else 0
 
 
+def anon_bytes(pid: int) -> Optional[int]:
+    """The process's private resident memory (Linux RssAnon): what it holds itself, without the pages
+    of files it maps (safetensors weights read through mmap count in RSS but are the kernel's to drop)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+class AnonPeak(threading.Thread):
+    """The peak of `anon_bytes(pid)`, sampled every 50 ms until `stop()`."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.peak, self._done = pid, None, threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        while not self._done.wait(0.05):
+            now = anon_bytes(self.pid)
+            if now is not None:
+                self.peak = max(self.peak or 0, now)
+
+    def stop(self) -> Optional[int]:
+        self._done.set()
+        self.join()
+        return self.peak
+
+
 def run_stage(stage: str, recipe: Path, out_dir: Path) -> dict[str, Any]:
-    """One stage in its own process: wall seconds, its peak RSS (wait4's rusage), peak GPU, disk added."""
+    """One stage in its own process: wall seconds, its peak RSS (wait4's rusage) and private memory
+    (sampled), peak GPU, disk added."""
     stats = out_dir.parent / f".{out_dir.name}-{stage}-stats.json"
     before = folder_bytes(out_dir)
     t = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "trtbuild.programs.bench_scale", "--child", stage,
                              "--recipe", str(recipe), "--stats", str(stats)])
+    sampler = AnonPeak(proc.pid)
     _, status, usage = os.wait4(proc.pid, 0)
+    anon = sampler.stop()
     proc.returncode = os.waitstatus_to_exitcode(status)
     seconds = time.perf_counter() - t
     if proc.returncode != 0:
@@ -97,7 +135,8 @@ def run_stage(stage: str, recipe: Path, out_dir: Path) -> dict[str, Any]:
     child = json.loads(stats.read_text()) if stats.is_file() else {}
     stats.unlink(missing_ok=True)
     return {"stage": stage, "seconds": round(seconds, 2), "peak_rss_bytes": usage.ru_maxrss * 1024,
-            "peak_gpu_bytes": child.get("peak_gpu_bytes"), "disk_bytes": folder_bytes(out_dir) - before}
+            "peak_anon_bytes": anon, "peak_gpu_bytes": child.get("peak_gpu_bytes"),
+            "disk_bytes": folder_bytes(out_dir) - before}
 
 
 def _child(stage: str, recipe: str, stats: Path) -> int:
@@ -117,7 +156,9 @@ def size_total(rows: list[dict[str, Any]], size: str, sources_seconds: float) ->
     gpu = [r["peak_gpu_bytes"] for r in stages if r["peak_gpu_bytes"] is not None]
     return {"size": size, "params": stages[0]["params"], "stage": "total",
             "seconds": round(sum(r["seconds"] for r in stages), 2),
-            "peak_rss_bytes": max(r["peak_rss_bytes"] for r in stages), "peak_gpu_bytes": max(gpu) if gpu else None,
+            "peak_rss_bytes": max(r["peak_rss_bytes"] for r in stages),
+            "peak_anon_bytes": max((r.get("peak_anon_bytes") or 0 for r in stages), default=0) or None,
+            "peak_gpu_bytes": max(gpu) if gpu else None,
             "disk_bytes": sum(r["disk_bytes"] for r in stages), "sources_generated_seconds": round(sources_seconds, 1)}
 
 
@@ -173,10 +214,12 @@ def print_table(rows: list[dict[str, Any]], summary: dict[str, Any]) -> None:
 
     view = [{**r, "params_m": r["params"] / 1e6, "rss_gb": r["peak_rss_bytes"] / 1e9,
              "rss_x": r["peak_rss_bytes"] / (2 * r["params"]), "disk_gb": r["disk_bytes"] / 1e9,
+             "anon_x": None if not r.get("peak_anon_bytes") else r["peak_anon_bytes"] / (2 * r["params"]),
              "gpu_gb": None if r["peak_gpu_bytes"] is None else r["peak_gpu_bytes"] / 1e9} for r in rows]
     print(format_table(view, [("size", "size", "<6"), ("params M", "params_m", ">9.0f"), ("stage", "stage", "<9"),
                               ("seconds", "seconds", ">9.1f"), ("peak RSS GB", "rss_gb", ">12.2f"),
-                              ("x bf16", "rss_x", ">7.2f"), ("peak GPU GB", "gpu_gb", ">12.2f"),
+                              ("x bf16", "rss_x", ">7.2f"), ("private x bf16", "anon_x", ">15.2f"),
+                              ("peak GPU GB", "gpu_gb", ">12.2f"),
                               ("disk GB", "disk_gb", ">8.2f")]))
     fits = [{"stage": s, "exponent": v["exponent"], "7b": v["projected_seconds"]["7b"],
              "14b": v["projected_seconds"]["14b"]} for s, v in summary.items()]
