@@ -34,6 +34,9 @@ class CheckpointTensors(Mapping[str, Any]):
         with safe_open(str(self.files[name]), framework="pt") as s:
             return s.get_tensor(name)
 
+    def __contains__(self, name: object) -> bool:
+        return name in self.files  # Mapping's would read the tensor to find out
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.files)
 

@@ -61,6 +61,10 @@ def test_the_build_stages_run_where_trtbuild_device_says_and_name_a_bad_value(mo
     assert stage_device() == torch.device("cpu")
     monkeypatch.delenv(STAGE_DEVICE_ENV)
     assert stage_device().type == ("cuda" if torch.cuda.is_available() else "cpu")
+    from server.embedded.loader import gate_dtype
+
+    assert gate_dtype(torch.device("cuda")) == torch.bfloat16  # the stages' device decides, not the host's GPU
+    assert gate_dtype(torch.device("cpu")) in (torch.bfloat16, torch.float32)
     monkeypatch.setenv(STAGE_DEVICE_ENV, "tpu")
     with pytest.raises(ValueError, match="TRTBUILD_DEVICE='tpu'"):
         stage_device()
@@ -104,8 +108,9 @@ def test_a_stage_process_reports_its_private_memory_beside_its_rss(tmp_path):
 
     holder = subprocess.Popen([sys.executable, "-c", "b = bytearray(64 << 20); import time; time.sleep(1.0)"])
     peak = bench_scale.AnonPeak(holder.pid)
-    _, status, usage = os.wait4(holder.pid, 0)
+    os.waitid(os.P_PID, holder.pid, os.WEXITED | os.WNOWAIT)
     anon = peak.stop()
+    _, status, usage = os.wait4(holder.pid, 0)
     if anon is None:
         pytest.skip("no /proc/<pid>/status RssAnon on this system")
     assert 64 << 20 <= anon <= usage.ru_maxrss * 1024

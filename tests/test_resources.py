@@ -63,6 +63,11 @@ def test_the_time_estimate_covers_the_stages_still_to_run_from_the_measured_fit(
                                           build={"quantization": "fp8"}))
     one = resources.estimate_seconds(one_format, resources.needs(one_format, NAMES, 2 * params), params, "gpu")
     assert one["quantize"] == pytest.approx(gpu["quantize"] / 2)
+    monkeypatch.setattr(resources, "_done", lambda folder: folder.name == "int8_wo")  # fp8 still to make
+    assert resources.estimate_seconds(recipe, plan, params, "gpu")["quantize"] == pytest.approx(gpu["quantize"] / 2)
+    monkeypatch.setattr(resources, "_done", lambda folder: folder.name in ("int8_wo", "fp8"))
+    assert "quantize" not in resources.estimate_seconds(recipe, plan, params, "gpu")
+    monkeypatch.undo()
     done = [resources.Need(n.stage, 0, 0) for n in plan]  # every stage complete: nothing to estimate
     assert resources.estimate_seconds(recipe, done, params, "gpu") == {}
     monkeypatch.setattr(resources, "free_disk", lambda folder: 10**15)

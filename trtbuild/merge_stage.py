@@ -23,11 +23,12 @@ VERSION = 1  # bump when the output of this stage changes for the same inputs
 STAGE = "merge"
 
 
-# Parameters a merged shard holds. mergekit keeps a shard's tensors in host memory until it is full:
-# at its default (5B) that is the whole merged model of anything up to 5B parameters (a 1.5B's merge
-# peaked at 3.7x its bf16 size on an H100 host, bench/scale-gpu-h100.json). 500M bounds the held
-# output at 1 GB in bf16, whatever the model; a 14B writes 30 shards (with their index, as HF's do).
-SHARD_PARAMS = 500_000_000
+# Bytes a merged shard holds (mergekit's `out_shard_size` counts tensor bytes, whatever its help says).
+# mergekit keeps a shard's tensors in host memory until it is full: at its default (5e9 bytes) that is
+# the whole merged model of anything up to 2.5B parameters in bf16 (a 1.5B's merge peaked at 3.7x its
+# bf16 size on an H100 host, bench/scale-gpu-h100.json). 1 GB bounds the held output whatever the
+# model; a 14B writes 30 shards (with their index, as HF's do).
+SHARD_BYTES = 1_000_000_000
 
 
 def fingerprint(recipe: Recipe) -> str:
@@ -62,7 +63,7 @@ def _merge(recipe: Recipe, tmp: Path, final: Path) -> dict[str, Any]:
     t = time.time()
     run_merge(MergeConfiguration.model_validate(cfg), str(model_dir),
               MergeOptions(cuda=False, copy_tokenizer=True, lazy_unpickle=False, quiet=True, write_model_card=False,
-                           out_shard_size=SHARD_PARAMS))
+                           out_shard_size=SHARD_BYTES))
     merge_seconds = time.time() - t
     check = check_arithmetic(model_dir, dirs, weights, recipe.merge.check_tensors)
     mf.log(STAGE, f"arithmetic check on {check['tensors_checked']} tensors: max error {check['max_abs_error']:.3g} "
@@ -82,7 +83,7 @@ def _price_against_sources(recipe: Recipe, merged_dir: Path, dirs: dict[str, Pat
     from trtbuild.quality import price, quality_prompts, record_replies
 
     use_all_cores()
-    dtype = gate_dtype()  # the merge's price is in its weights; compute where it is fast
+    dtype = gate_dtype()  # the merge's price is in its weights; compute where it is fast (on the stages' device)
     tok = load_tokenizer(merged_dir)
     prompts = quality_prompts(recipe, tok)
     dev = stage_device()

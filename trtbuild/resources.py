@@ -26,9 +26,10 @@ Time: each model-running stage takes about a + b x parameters seconds (`STAGE_SE
 `python -m trtbuild.programs.bench_scale` on random-weight Qwen2 models, which generate to the length
 limit every time (so an upper bound for trained models, which stop at their EOS): on a GPU host from
 one H100's run at 135M-1.5B (bench/scale-gpu-h100.json; projecting past 1.5B is a straight line's
-guess), on the CPU from the 2-core CI host at 135M (bench/scale-cpu.json: one size, so proportional),
-scaled by 2 / the host's cores. Quantize's figure is for its two ModelOpt formats, scaled by the
-recipe's count; a TIR fine-tune source's training is not estimated.
+guess; measured before the batched FP8-KV price, which halved the build on the CPU), on the CPU from
+the 2-core CI host at 135M (bench/scale-cpu.json: one size, so proportional), scaled by 2 / the
+host's cores. Quantize's figure is for two ModelOpt formats, scaled by the count still to make; a
+GGUF conversion and a TIR fine-tune source's training are not estimated.
 """
 
 from __future__ import annotations
@@ -56,8 +57,8 @@ DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2":
 # stage -> (a seconds, b seconds a parameter); see the module docstring for where they were measured
 STAGE_SECONDS = {
     "gpu": {"merge": (29.2, 8.2e-9), "quantize": (56.3, 16.3e-9), "drafter": (54.8, 0.0), "build": (117.6, 1.85e-9)},
-    "cpu": {"merge": (0.0, 46.5 / 106.7e6), "quantize": (0.0, 103.6 / 106.7e6), "drafter": (0.0, 342.1 / 106.7e6),
-            "build": (0.0, 113.7 / 106.7e6)},
+    "cpu": {"merge": (0.0, 60.1 / 106.7e6), "quantize": (0.0, 94.7 / 106.7e6), "drafter": (0.0, 306.3 / 106.7e6),
+            "build": (0.0, 53.6 / 106.7e6)},
 }
 MEASURED_CPU_CORES = 2
 MEASURED_QUANTIZE_FORMATS = 2
@@ -161,9 +162,12 @@ def estimate_seconds(recipe: Recipe, plan: list[Need], params: int, where: str,
             continue  # nothing to run (or the sources stage: hf sources are used in place)
         a, b = table[need.stage]
         seconds = (a + b * params) * cpu_scale
-        if need.stage == "quantize":
-            modelopt = [f for f in recipe.quantize.formats if f in ("int8_wo", "fp8")]
-            seconds *= max(1, len(modelopt)) / MEASURED_QUANTIZE_FORMATS
+        if need.stage == "quantize":  # the ModelOpt formats still to make (a GGUF's conversion is not estimated)
+            todo = [f for f in recipe.quantize.formats
+                    if f in ("int8_wo", "fp8") and not _done(recipe.layout.quantize_format(f))]
+            if not todo:
+                continue
+            seconds *= len(todo) / MEASURED_QUANTIZE_FORMATS
         out[need.stage] = seconds
     return out
 

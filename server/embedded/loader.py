@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -118,12 +118,13 @@ def _materialize_buffers(model: torch.nn.Module, config: Any, dtype: torch.dtype
             setattr(module, b, getattr(fresh, b))
 
 
-def gate_dtype() -> torch.dtype:
-    """The dtype the build's measurement passes (quality gates) compute in: bf16 on CUDA and on CPUs
-    with native bf16 (AVX-512 BF16 / AMX); float32 on other CPUs, where PyTorch emulates bf16 matmuls
-    and they run several times slower (2-core AVX2 CI machine: ~3x at 8 rows). Upcasting bf16 weights
-    is exact, so this changes the compute precision of the measurement, never the weights measured."""
-    if torch.cuda.is_available():
+def gate_dtype(device: Optional[torch.device] = None) -> torch.dtype:
+    """The dtype the build's measurement passes (quality gates) compute in on `device` (default: the
+    stages' device, `stage_device()`): bf16 on CUDA and on CPUs with native bf16 (AVX-512 BF16 / AMX);
+    float32 on other CPUs, where PyTorch emulates bf16 matmuls and they run several times slower
+    (2-core AVX2 CI machine: ~3x at 8 rows). Upcasting bf16 weights is exact, so this changes the
+    compute precision of the measurement, never the weights measured."""
+    if (device if device is not None else stage_device()).type == "cuda":
         return torch.bfloat16
     native = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)() or \
         getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()

@@ -85,6 +85,9 @@ def resolve_device(device: str) -> "torch.device":
         raise ValueError(f"device {device!r}: use auto, cpu or cuda[:N]") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r}: no CUDA device here (torch {torch.__version__}); use auto or cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r}: this host has {torch.cuda.device_count()} CUDA device(s), "
+                         f"cuda:0..cuda:{torch.cuda.device_count() - 1}")
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"device {device!r}: the embedded engine runs on cpu or cuda")
     return dev

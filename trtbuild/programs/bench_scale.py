@@ -125,8 +125,9 @@ def run_stage(stage: str, recipe: Path, out_dir: Path) -> dict[str, Any]:
     proc = subprocess.Popen([sys.executable, "-m", "trtbuild.programs.bench_scale", "--child", stage,
                              "--recipe", str(recipe), "--stats", str(stats)])
     sampler = AnonPeak(proc.pid)
-    _, status, usage = os.wait4(proc.pid, 0)
+    os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)  # ended, not reaped: its pid is not reused yet
     anon = sampler.stop()
+    _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
     seconds = time.perf_counter() - t
     if proc.returncode != 0:
@@ -145,7 +146,12 @@ def _child(stage: str, recipe: str, stats: Path) -> int:
 
     rc = main([stage, "--recipe", recipe, "--backend", "embedded"] if stage == "build" else [stage, "--recipe", recipe])
     torch = sys.modules.get("torch")
-    peak = torch.cuda.max_memory_allocated() if torch is not None and torch.cuda.is_initialized() else None
+    peak = None
+    if torch is not None and torch.cuda.is_initialized():
+        from server.embedded.loader import stage_device
+
+        dev = stage_device()
+        peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
     stats.write_text(json.dumps({"peak_gpu_bytes": peak}))
     return rc
 
