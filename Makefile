@@ -60,7 +60,7 @@ help:
 	@echo "make trtllm-venv           GPU host: $(TRTLLM_VENV) with the pinned TensorRT-LLM (TRTLLM_INDEX_URL=...)"
 	@echo "make test                  the test suite (what CI runs)"
 	@echo "make lint                  ruff over the tree (what CI runs first)"
-	@echo "make bench-scale SIZES=135m,0.5b  the whole pipeline on random Qwen2 models of growing size: seconds, RAM, GPU, disk a stage; fit, 7B/14B projection"
+	@echo "make bench-scale SIZES=135m    the whole pipeline on random Qwen2 models of growing size: seconds, RAM, GPU, disk a stage; fit, 7B/14B projection"
 	@echo "make bench MODEL=mix       every benchmark (sandbox, engine in-flight/sequential/library, harness, Triton, OpenAI serving, formats, speculative decoding) -> bench/summary.md"
 	@echo "make clean MODEL=mix       remove $(OUT)/"
 
@@ -247,7 +247,7 @@ bench: build $(TRITON_SETUP)
 	$(PY) -m server.bench.llamacpp --out bench/llamacpp.json
 	@$(PY) -m server.bench.report --dir bench
 
-SIZES ?= 135m,0.5b
+SIZES ?= 135m
 bench-scale: $(SETUP)
 	$(PY) -m trtbuild.programs.bench_scale --sizes $(SIZES) --work engines/scale --out bench/scale.json --resume
 

@@ -78,6 +78,7 @@ def test_a_run_cut_short_keeps_its_stages_and_resume_goes_on_from_the_first_miss
     def fake_stage(stage, recipe, out_dir):  # the stages' processes are measured elsewhere: here, the bookkeeping
         if stage in fail_at:
             raise RuntimeError(f"stage {stage} failed")
+        out_dir.mkdir(parents=True, exist_ok=True)
         ran.append(stage)
         return {"stage": stage, "seconds": 1.0, "peak_rss_bytes": 10, "peak_gpu_bytes": None, "disk_bytes": 5}
 
@@ -99,6 +100,18 @@ def test_a_run_cut_short_keeps_its_stages_and_resume_goes_on_from_the_first_miss
     ran.clear()
     bench_scale.main(["--sizes", "135m", "--work", str(work), "--out", str(out), "--keep", "--resume"])
     assert ran == []  # a finished size is not run again
+    fail_at.add("build")
+    with pytest.raises(RuntimeError):
+        bench_scale.main(["--sizes", "0.5b", "--work", str(work), "--out", str(out), "--keep", "--resume"])
+    import shutil
+
+    shutil.rmtree(work / "scale-0_5b")  # its outputs gone (another machine): its stages are measured again
+    ran.clear()
+    fail_at.clear()
+    assert bench_scale.main(["--sizes", "135m,0.5b", "--work", str(work), "--out", str(out), "--keep", "--resume"]) == 0
+    assert ran == list(bench_scale.STAGES)
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["stage"] for r in rows if r["size"] == "0.5b"] == [*bench_scale.STAGES, "total"]
 
 
 def test_a_stage_process_reports_its_private_memory_beside_its_rss(tmp_path):
