@@ -76,7 +76,11 @@ def forms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kq: torch.Tensor, v
             "split_fp8": lambda: split_kv_attention(q, kq, vq, rows, pos, ctx, scale, ks, vs)}
 
 
-TUNE_CONFIGS = [(bn, w, st) for bn in (64, 128) for w in (4, 8) for st in (2, 3)]
+# an FP8 cache moves half the bytes an iteration for the same softmax work, so its best may want longer
+# iterations, deeper pipelines or more resident programs than bf16's (those the shared memory refuses
+# fail to compile and are skipped)
+TUNE_CONFIGS = [(bn, w, st) for bn in (64, 128, 256) for w in (4, 8) for st in (2, 3, 4)]
+PROGRAMS_PER_SM = (1, 2, 3, 4)
 
 
 def tune_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kq: torch.Tensor, vq: torch.Tensor,
@@ -91,7 +95,7 @@ def tune_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kq: torch.Tens
     for name, (kc, vc, ksc, vsc) in {"split": (k, v, None, None), "split_fp8": (kq, vq, ks, vs)}.items():
         timed = []
         for config in TUNE_CONFIGS:
-            for per_sm in (1, 2):
+            for per_sm in PROGRAMS_PER_SM:
                 def fn(config=config, per_sm=per_sm) -> torch.Tensor:
                     return split_kv_attention(q, kc, vc, rows, pos, ctx, scale, ksc, vsc, programs=per_sm * sms,
                                               config=config)
