@@ -73,7 +73,11 @@ def test_the_time_estimate_covers_the_stages_still_to_run_from_the_measured_fit(
     monkeypatch.setattr(resources, "free_disk", lambda folder: 10**15)
     monkeypatch.setattr(resources, "_where", lambda: "cpu")
     resources.check(recipe, NAMES)
-    assert "[resources] time on the CPU, roughly" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "[resources] time on the CPU, roughly" in out and "not estimated" not in out  # hf sources: no work
+    monkeypatch.setattr(resources, "estimate_seconds", lambda *a, **k: {"merge": 60.0})
+    resources.check(recipe, NAMES)
+    assert "1 min in all, besides quantize and build (not estimated)" in capsys.readouterr().out
 
 
 def test_too_little_disk_or_memory_is_refused_in_one_line_unless_skipped(tmp_path, tiny_models, monkeypatch, capsys):

@@ -233,10 +233,12 @@ def check(recipe: Recipe, todo: tuple[str, ...], log: Any = print) -> list[Need]
     if held:
         where = _where()
         times = estimate_seconds(recipe, plan, size // 2, where)
+        unknown = [n.stage for n in plan if n.memory_bytes and n.stage not in times]
         if times:
             log(f"[resources] time on the {where.upper()}, roughly (an upper bound from bench_scale's fit): "
                 + ", ".join(f"{k} {_duration(v)}" for k, v in times.items())
-                + f"; {_duration(sum(times.values()))} in all")
+                + f"; {_duration(sum(times.values()))} in all"
+                + (f", besides {' and '.join(unknown)} (not estimated)" if unknown else ""))
     problems = []
     if disk > free:
         problems.append(f"disk: up to {_gb(disk)} to write, {_gb(free)} free at {recipe.out_dir}")
