@@ -55,15 +55,14 @@ def runner_logprobs(runner: Any, prompt: list[int], reply: list[int]) -> torch.T
     return logits.float().log_softmax(-1).cpu()
 
 
-def kv_cache_price(model_dir: Path, recipe: Recipe, device: str = "") -> Price:
-    """FP8 KV cache against the model-dtype cache, on the served weights in `model_dir`, on `device`
-    (default: the build stages' device, TRTBUILD_DEVICE)."""
+def kv_cache_price(model_dir: Path, recipe: Recipe) -> Price:
+    """FP8 KV cache against the model-dtype cache, on the served weights in `model_dir`, on the build
+    stages' device (`stage_device`: TRTBUILD_DEVICE)."""
     from aimo_spec.chat import load_tokenizer
     from server.embedded.loader import load_model, stage_device
     from server.embedded.runner import SlotRunner
-    from server.embedded.settings import resolve_device
 
-    model = load_model(model_dir, device=resolve_device(device) if device else stage_device())
+    model = load_model(model_dir, device=stage_device())
     tokenizer = load_tokenizer(model_dir)
     prompts = quality_prompts(recipe, tokenizer)
     q = recipe.quality

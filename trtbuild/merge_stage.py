@@ -83,10 +83,10 @@ def _price_against_sources(recipe: Recipe, merged_dir: Path, dirs: dict[str, Pat
     from trtbuild.quality import price, quality_prompts, record_replies
 
     use_all_cores()
-    dtype = gate_dtype()  # the merge's price is in its weights; compute where it is fast (on the stages' device)
+    dev = stage_device()
+    dtype = gate_dtype(dev)  # the merge's price is in its weights; compute where it is fast
     tok = load_tokenizer(merged_dir)
     prompts = quality_prompts(recipe, tok)
-    dev = stage_device()
     merged = load_model(merged_dir, dtype=dtype, device=dev)
     q = recipe.quality
     merged_replies = record_replies(merged, tok, prompts, q.max_new_tokens)

@@ -49,10 +49,10 @@ def calibration_texts(recipe: Recipe, tokenizer: Any) -> list[list[int]]:
     return out
 
 
-def reload_error(original: Mapping[str, Any], model: Any, dtype: Any = None) -> dict[str, float]:
+def reload_error(original: Mapping[str, Any], model: Any) -> dict[str, float]:
     """Worst error of each reloaded quantized weight vs the bf16 original, in units of its rounding bound.
-    `original`: the weights by name as the quantizer saw them (cast to `dtype`, default bf16, the dtype
-    the stage loads the model in); a tied lm_head is looked up as the embeddings.
+    `original`: the weights by name, cast to bf16 as the quantizer saw them (the stage loads the model in
+    bf16); a tied lm_head is looked up as the embeddings.
 
     int8: |w - q*s| <= s/2 per output channel. e4m3: half the spacing of e4m3 at |w/s| (4
     significand bits; subnormal spacing 2^-9), times s. A value <= 1 means "within rounding".
@@ -69,7 +69,7 @@ def reload_error(original: Mapping[str, Any], model: Any, dtype: Any = None) -> 
         if key not in original and name.endswith("lm_head"):
             key = "model.embed_tokens.weight"  # tied: the checkpoint stores it once
         deq = module.dequantized()
-        w = original[key].to(dtype or torch.bfloat16).to(device=deq.device, dtype=torch.float32)
+        w = original[key].to(torch.bfloat16).to(device=deq.device, dtype=torch.float32)
         if isinstance(module, Int8WeightOnlyLinear):
             bound = module.scale.float()[:, None] * 0.5
         else:
@@ -214,7 +214,8 @@ def run(recipe: Recipe) -> Path:
                 use_all_cores()
                 tok = load_tokenizer(merged_dir)
                 # the bf16 weights, computed in gate_dtype (float32 on CPUs without native bf16)
-                ref_model = load_model(merged_dir, dtype=gate_dtype(), device=stage_device())
+                dev = stage_device()
+                ref_model = load_model(merged_dir, dtype=gate_dtype(dev), device=dev)
                 mf.log(STAGE, f"recording bf16-weight reference replies ({ref_model.dtype} compute on "
                               f"{ref_model.device}) ...")
                 ref = {"model": ref_model, "replies": record_replies(

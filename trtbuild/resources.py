@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from aimo_spec.layout import is_gguf
 from aimo_spec.recipe import GGUFPackageSource, HFSource, Recipe, RecipeError, TIRFinetuneSource, gguf_file
 from trtbuild import manifest as mf
 
@@ -164,7 +165,7 @@ def estimate_seconds(recipe: Recipe, plan: list[Need], params: int, where: str,
         seconds = (a + b * params) * cpu_scale
         if need.stage == "quantize":  # the ModelOpt formats still to make (a GGUF's conversion is not estimated)
             todo = [f for f in recipe.quantize.formats
-                    if f in ("int8_wo", "fp8") and not _done(recipe.layout.quantize_format(f))]
+                    if not is_gguf(f) and not _done(recipe.layout.quantize_format(f))]
             if not todo:
                 continue
             seconds *= len(todo) / MEASURED_QUANTIZE_FORMATS
