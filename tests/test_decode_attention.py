@@ -113,6 +113,23 @@ def test_split_kv_attention_launch_configurations_give_the_same_result(fp8):
 
 @pytest.mark.skipif(not (CUDA or HAS_TRITON), reason="needs CUDA or Triton's interpreter")
 @pytest.mark.parametrize("fp8", [False, True])
+def test_split_kv_attention_quantizes_its_output_as_the_quantize_kernel_does(fp8):
+    """With `out_scale` the combine kernel writes the e4m3 bytes quantize_e4m3 makes of the model-dtype
+    output (o_proj's FP8 input without a launch of its own), verify rows included."""
+    from server.embedded.decode_attention import split_kv_attention
+    from server.embedded.gpu_kernels import quantize_e4m3
+
+    dtype, device = (torch.bfloat16, "cuda") if CUDA else (torch.float16, "cpu")
+    q, k, v, rows, pos, ks, vs = _case(2, 2, 8, 2, 32, 3, 300, 300, fp8, dtype, device, 8)
+    scale = torch.tensor(0.002, device=device)
+    out = split_kv_attention(q, k, v, rows, pos, 300, 32 ** -0.5, ks, vs, programs=8)
+    outq = split_kv_attention(q, k, v, rows, pos, 300, 32 ** -0.5, ks, vs, programs=8, out_scale=scale)
+    assert outq.dtype == torch.float8_e4m3fn and outq.shape == q.shape
+    assert torch.equal(outq.view(torch.uint8), quantize_e4m3(out, scale).view(torch.uint8))
+
+
+@pytest.mark.skipif(not (CUDA or HAS_TRITON), reason="needs CUDA or Triton's interpreter")
+@pytest.mark.parametrize("fp8", [False, True])
 def test_write_kv_writes_what_indexing_writes(fp8):
     from server.embedded.decode_attention import write_kv
 

@@ -45,6 +45,51 @@ def test_weight_only_linear_matches_the_dequantized_product(fmt, m, n, k, split,
     assert rel < 1e-2, rel
 
 
+@pytest.mark.parametrize("per_channel,split,bias", [(True, 1, False), (False, 1, True), (True, 4, True),
+                                                    (False, 2, False)])
+def test_the_triton_kernel_runs_fp8_gemms_on_an_e4m3_activation(per_channel, split, bias):
+    """e4m3 activation x e4m3 weight (W8A8, `fp8_gemm`'s small-batch form): the product of the e4m3
+    values times both scales (+ bias), in the asked dtype, one program per K loop and split."""
+    from server.embedded.gpu_kernels import weight_only_linear
+
+    g = torch.Generator().manual_seed(split * 10 + per_channel)
+    m, n, k = 5, 72, 256
+    x = (torch.randn(m, k, generator=g) * 60).clamp(-448, 448).to(torch.float8_e4m3fn)
+    w = (torch.randn(n, k, generator=g) * 60).clamp(-448, 448).to(torch.float8_e4m3fn)
+    ws = torch.rand(n if per_channel else 1, generator=g) * 1e-3 + 1e-4
+    xs = torch.tensor(0.01)
+    b = (torch.randn(n, generator=g) * 0.1).to(DTYPE) if bias else None
+    ref = (x.float() @ w.float().t()) * ws.view(1, -1) * xs + (b.float() if bias else 0)
+    got = weight_only_linear(x.to(DEVICE), w.to(DEVICE), ws.reshape(-1 if per_channel else ()).to(DEVICE),
+                             None if b is None else b.to(DEVICE), config=(32, 64, 4, 2), split=split,
+                             out_dtype=DTYPE, x_scale=xs.to(DEVICE))
+    assert got.dtype == DTYPE and got.shape == (m, n)
+    rel = float((got.float().cpu() - ref).abs().max() / ref.abs().max())
+    assert rel < 1e-2, rel
+    with pytest.raises(ValueError, match="e4m3 input"):
+        weight_only_linear(x.to(DEVICE), w.to(DEVICE), ws.to(DEVICE))
+
+
+@pytest.mark.skipif(not CUDA, reason="_scaled_mm runs on a GPU only")
+def test_fp8_gemm_gives_scaled_mms_result_through_the_triton_kernel(monkeypatch):
+    from server.embedded import gpu_kernels as gk
+
+    if not gk.available()["fp8"]:
+        pytest.skip("no FP8 tensor cores")
+    g = torch.Generator().manual_seed(2)
+    w = (torch.randn(96, 512, generator=g) * 60).clamp(-448, 448).to(torch.float8_e4m3fn).cuda()
+    x = (torch.randn(7, 512, generator=g) * 60).clamp(-448, 448).to(torch.float8_e4m3fn).cuda()
+    xs, unit = torch.tensor(0.01, device="cuda"), torch.ones((), device="cuda")
+    bias = torch.randn(96, generator=g).to(torch.bfloat16).cuda()
+    for ws in (torch.tensor(2e-3, device="cuda"), (torch.rand(96, generator=g) * 1e-3 + 1e-4).cuda()):
+        for b in (None, bias):
+            monkeypatch.setattr(gk, "FP8_TRITON_MAX_ROWS", 0)
+            want = gk.fp8_gemm(x, w, ws, xs, b, torch.bfloat16, unit)
+            monkeypatch.setattr(gk, "FP8_TRITON_MAX_ROWS", 16)
+            got = gk.fp8_gemm(x, w, ws, xs, b, torch.bfloat16, unit)
+            torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+
+
 def test_a_weight_of_the_wrong_width_is_named():
     from server.embedded.gpu_kernels import weight_only_linear
 
@@ -74,6 +119,27 @@ def test_the_fp8_activation_quantization_kernel_rounds_as_torch_does():
         tie = (exact - v).abs() == (exact - w).abs()
         assert (carry | tie).all()
     assert got[0, :2].float().tolist() == [448.0, -448.0]
+
+
+@pytest.mark.skipif(not CUDA, reason="the fma the rounding rests on is fused on a GPU only (not in the interpreter)")
+def test_the_fp8_activation_quantization_divides_exactly_for_every_bf16_value():
+    """Every finite bf16 value over scales of every kind (all-ones significands, powers of two, tiny,
+    huge, random): the reciprocal-and-correction quotient rounds to the same e4m3 bytes as torch's
+    division, signed zeros and saturation included."""
+    from server.embedded.gpu_kernels import quantize_e4m3
+
+    x = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    x = x[torch.isfinite(x)].to(DEVICE)
+    g = torch.Generator().manual_seed(11)
+    scales = [1.0, 0.5, 2.0 ** -20, 1e-12, 3.0e4, float(torch.tensor(2.0).nextafter(torch.tensor(0.0))),
+              float(torch.tensor(1.0).nextafter(torch.tensor(0.0))), 1 / 448, 0.0123, 7.77]
+    scales += (torch.rand(40, generator=g) * 10 ** torch.randint(-6, 3, (40,), generator=g).float()).tolist()
+    for s in scales:
+        scale = torch.tensor(s, dtype=torch.float32, device=DEVICE)
+        want = (x.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+        got = quantize_e4m3(x, scale)
+        bad = (got.view(torch.uint8) != want.view(torch.uint8)).nonzero()
+        assert bad.numel() == 0, (s, x[bad[:5, 0]].tolist())
 
 
 def test_the_weight_only_kernel_takes_the_configuration_tuned_on_its_gpu(monkeypatch):

@@ -4,7 +4,8 @@
 
 For each weight shape (the fused q/k/v, o, fused gate/up and down projections) and batch M: bf16
 `F.linear`, the 8-bit weight-only Triton kernel with int8 weights (per-channel scales) and with FP8
-weights (one scale), and FP8 `_scaled_mm` with its activation quantization. Each is timed as a CUDA
+weights (one scale), FP8 `_scaled_mm` with its activation quantization, and the FP8 GEMM alone on an
+e4m3 activation: `_scaled_mm` (`fp8_gemm`) against the Triton kernel with an e4m3 input. Each is timed as a CUDA
 graph replay (as the engine runs it, so its launches count); the weight bytes read per second beside
 it. `--tune` also times every configuration of a small grid for the weight-only kernel and names the
 best over all shapes for each row band (16, 32, 64 rows; try it with W8A16_CONFIG="16=...;64=...").
@@ -26,6 +27,7 @@ from server.bench.device import cuda_device, gpu_environment, grid_arguments, wr
 SHAPES = {"1.5b": [(2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960)],
           "14b": [(7168, 5120), (5120, 5120), (27648, 5120), (5120, 13824)]}
 GRID = list(itertools.product((32, 64, 128, 256), (128, 256), (4, 8), (3, 4)))
+FP8_GRID = list(itertools.product((64, 128), (128, 256), (4, 8), (3, 4)))  # the FP8 Triton GEMM's, --tune
 
 
 def row_band(m: int) -> int:
@@ -37,6 +39,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m server.bench.kernels", description=__doc__.splitlines()[0])
     grid_arguments(ap, SHAPES, shapes="1.5b,14b", batches="1,4,16")
     ap.add_argument("--tune", action="store_true", help="time the weight-only kernel's configuration grid too")
+    ap.add_argument("--tune-fp8", action="store_true", help="time the FP8 Triton GEMM over a small grid too")
     args = ap.parse_args(argv)
     from server.bench.attention import time_graph
 
@@ -65,6 +68,25 @@ def main(argv: Optional[list[str]] = None) -> int:
                 xs = torch.tensor(0.05, device="cuda")
                 fp8 = time_graph(lambda: gk.fp8_linear(x, wf, ws, xs, None, torch.bfloat16))
                 row.update({"fp8_scaled_mm_us": round(fp8, 1), "fp8_scaled_mm_vs_bf16": round(bf16 / fp8, 2)})
+                # the GEMM alone on an e4m3 activation (the fused kernels quantize it), as the engine runs
+                # it: concatenated linears (q/k/v, gate/up) with a scale a channel, the others one scale
+                xq = gk.quantize_e4m3(x, xs)
+                wsc = ws.expand(n).contiguous() if (n, k) in (SHAPES[shape][0], SHAPES[shape][2]) else ws
+                unit = torch.ones((), device="cuda")
+                gemm = time_graph(lambda: gk.fp8_gemm(xq, wf, wsc, xs, None, torch.bfloat16, unit))
+                tri = time_graph(lambda: gk.weight_only_linear(xq, wf, wsc, out_dtype=torch.bfloat16, x_scale=xs))
+                row.update({"fp8_gemm_scaled_mm_us": round(gemm, 1), "fp8_gemm_triton_us": round(tri, 1),
+                            "fp8_gemm_triton_weight_tb_s": round(n * k / tri / 1e6, 2)})
+                if args.tune_fp8:
+                    per = {}
+                    for c in FP8_GRID:
+                        try:
+                            per[c] = time_graph(lambda: gk.weight_only_linear(xq, wf, wsc, config=c,
+                                                                              out_dtype=torch.bfloat16, x_scale=xs))
+                        except Exception:  # noqa: BLE001 - a configuration the compiler refuses
+                            per[c] = float("inf")
+                    row.update({"fp8_gemm_triton_best_us": round(min(per.values()), 1),
+                                "fp8_gemm_triton_best_config": min(per, key=per.get)})
             if args.tune:
                 per = {}
                 for c in GRID:

@@ -69,8 +69,11 @@ def interpreted() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _kernels():
+    global to_e4m3  # a module global: Triton's interpreter runs kernels with their module's globals only
     import triton
     import triton.language as tl
+
+    from server.embedded.triton_e4m3 import to_e4m3
 
     @triton.jit
     def split_kv(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, rows_ptr, pos_ptr, part_o, part_ml, sm_scale, stride_rb,
@@ -124,9 +127,9 @@ def _kernels():
         tl.store(part_ml + (base + r) * 2 + 1, l_i)
 
     @triton.jit
-    def combine(part_o, part_ml, out_ptr, stride_ob, stride_ot, stride_oh,
+    def combine(part_o, part_ml, out_ptr, q_ptr, s_ptr, stride_ob, stride_ot, stride_oh,
                 NKV: tl.constexpr, T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                SPLITS: tl.constexpr):
+                SPLITS: tl.constexpr, QUANT: tl.constexpr):
         pid = tl.program_id(0)
         b, h = pid // NKV, pid % NKV
         r = tl.arange(0, BLOCK_M)
@@ -144,6 +147,8 @@ def _kernels():
         tok, grp = r // G, r % G
         live = r < T * G
         o = acc / tl.maximum(total, 1e-30)[:, None]
+        if QUANT:  # o_proj's FP8 input, from the output in the model's dtype (q's), as quantize_e4m3 reads it
+            o = to_e4m3(o.to(q_ptr.dtype.element_ty).to(tl.float32), tl.load(s_ptr).to(tl.float32))
         tl.store(out_ptr + b * stride_ob + tok[:, None] * stride_ot + (h * G + grp)[:, None] * stride_oh + dd[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=live[:, None])
 
@@ -204,11 +209,14 @@ def _programs(device: int) -> int:
 def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor,
                        ctx: int, scale: float, k_scale: Optional[torch.Tensor] = None,
                        v_scale: Optional[torch.Tensor] = None, programs: Optional[int] = None,
-                       config: Optional[tuple[int, int, int]] = None) -> torch.Tensor:
+                       config: Optional[tuple[int, int, int]] = None, out_scale: Optional[torch.Tensor] = None
+                       ) -> torch.Tensor:
     """`reference_attention`'s contract, as two Triton launches. `ctx` bounds the keys read (the CUDA
     graph's context bucket); rows whose `pos` is shorter stop early. `programs` (default: two per
     multiprocessor on CUDA) sets how finely the keys are split; `config` (keys per iteration, warps,
-    stages; default SPLIT_CONFIG's for the cache dtype) is for measuring others."""
+    stages; default SPLIT_CONFIG's for the cache dtype) is for measuring others. With `out_scale`, the
+    output comes as the FP8 e4m3 input of the o_proj GEMM that reads it, `quantize_e4m3(out,
+    out_scale)`'s bytes without a launch of its own."""
     b, t, nq, d = q.shape
     nkv = k.shape[1]
     g = nq // nkv
@@ -226,7 +234,7 @@ def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: 
     chunk, splits = plan_splits(b, nkv, ctx, programs, block_n)
     part_o = torch.empty((b * nkv * splits * block_m, d), dtype=torch.float32, device=q.device)
     part_ml = torch.empty((b * nkv * splits * block_m, 2), dtype=torch.float32, device=q.device)
-    out = torch.empty_like(q)
+    out = torch.empty_like(q, dtype=torch.float8_e4m3fn if out_scale is not None else q.dtype)
     ks = k_scale if fp8 else part_ml  # an unused pointer when the cache is not FP8
     vs = v_scale if fp8 else part_ml
     split_kernel, combine_kernel, _ = _kernels()
@@ -236,8 +244,9 @@ def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: 
         ks.stride(0) if fp8 else 0, ks.stride(1) if fp8 else 0,
         NKV=nkv, T=t, G=g, D=d, BLOCK_M=block_m, BLOCK_N=block_n, CHUNK=chunk, SPLITS=splits, FP8=fp8,
         RUNTIME_LOOP=not interpreted(), num_warps=warps, num_stages=stages)
-    combine_kernel[(b * nkv,)](part_o, part_ml, out, out.stride(0), out.stride(1), out.stride(2),
-                               NKV=nkv, T=t, G=g, D=d, BLOCK_M=block_m, SPLITS=splits)
+    combine_kernel[(b * nkv,)](part_o, part_ml, out, q, part_ml if out_scale is None else out_scale,
+                               out.stride(0), out.stride(1), out.stride(2),
+                               NKV=nkv, T=t, G=g, D=d, BLOCK_M=block_m, SPLITS=splits, QUANT=out_scale is not None)
     return out
 
 

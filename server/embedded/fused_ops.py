@@ -50,8 +50,11 @@ def reference_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=None)
 def _kernels():
+    global to_e4m3  # a module global: Triton's interpreter runs kernels with their module's globals only
     import triton
     import triton.language as tl
+
+    from server.embedded.triton_e4m3 import to_e4m3
 
     @triton.jit
     def add_rms_norm(res_ptr, delta_ptr, w_ptr, out_res_ptr, out_ptr, s_ptr, stride_r, stride_d, stride_or, stride_o,
@@ -73,8 +76,7 @@ def _kernels():
         w = tl.load(w_ptr + c, mask=live, other=0.0).to(tl.float32)
         out = (w * y).to(dt)
         if QUANT:  # the next FP8 GEMM's input, as gpu_kernels.quantize_e4m3 makes it from `out`
-            q = tl.math.div_rn(out.to(tl.float32), scale)
-            out = tl.minimum(tl.maximum(q, -448.0), 448.0).to(tl.float8e4nv)
+            out = to_e4m3(out.to(tl.float32), scale)
         tl.store(out_ptr + row * stride_o + c, out, mask=live)
 
     @triton.jit
@@ -134,8 +136,7 @@ def _kernels():
         act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)  # F.silu rounds before the product
         out = (act * u).to(dt)
         if QUANT:  # the down projection's FP8 input (the same rounding as in add_rms_norm)
-            q = tl.math.div_rn(out.to(tl.float32), scale)
-            out = tl.minimum(tl.maximum(q, -448.0), 448.0).to(tl.float8e4nv)
+            out = to_e4m3(out.to(tl.float32), scale)
         tl.store(out_ptr + row * stride_o + c, out, mask=live)
 
     return add_rms_norm, rope_write_kv, silu_mul

@@ -38,6 +38,10 @@ FP8_WEIGHT_ONLY_MAX_ROWS = int(os.environ.get("FP8_WEIGHT_ONLY_MAX_ROWS", "0"))
 # profiled on an H100 at 14B batch 1 (`python -m server.bench.profile`), the row-wise kernel picks a
 # 128x128 tile for a single row and took 86 us a layer where the bytes allow 59
 FP8_ROWWISE_MIN_ROWS = int(os.environ.get("FP8_ROWWISE_MIN_ROWS", "17"))
+# FP8 GEMMs on an e4m3 activation of at most this many rows run the Triton kernel (`weight_only_linear`
+# with an e4m3 input: split K loops, channel and activation scales, bias and cast in the kernel) instead
+# of `_scaled_mm`, which at decode batches pads to a large tile and leaves bandwidth unused
+FP8_TRITON_MAX_ROWS = int(os.environ.get("FP8_TRITON_MAX_ROWS", "0"))
 
 
 @functools.lru_cache(maxsize=None)
@@ -58,13 +62,16 @@ def available() -> dict[str, bool]:
 
 @functools.lru_cache(maxsize=None)
 def _kernels():
+    global to_e4m3  # a module global: Triton's interpreter runs kernels with their module's globals only
     import triton
     import triton.language as tl
 
+    from server.embedded.triton_e4m3 import to_e4m3
+
     @triton.jit
-    def w8_gemm(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, M, N, stride_xm, stride_wn, K: tl.constexpr,
+    def w8_gemm(x_ptr, w_ptr, s_ptr, xs_ptr, b_ptr, out_ptr, part_ptr, M, N, stride_xm, stride_wn, K: tl.constexpr,
                 STEPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                SPLIT: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr):
+                SPLIT: tl.constexpr, PER_CHANNEL: tl.constexpr, X_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
         pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -82,6 +89,8 @@ def _kernels():
                 acc = acc * tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
             else:
                 acc = acc * tl.load(s_ptr).to(tl.float32)
+            if X_SCALE:  # an FP8 activation's scale
+                acc = acc * tl.load(xs_ptr).to(tl.float32)
             if HAS_BIAS:
                 acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
             tl.store(out_ptr + rm[:, None] * N + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -89,8 +98,8 @@ def _kernels():
             tl.store(part_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :], acc, mask=mask)
 
     @triton.jit
-    def reduce_splits(part_ptr, s_ptr, b_ptr, out_ptr, M, N, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
-                      PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr):
+    def reduce_splits(part_ptr, s_ptr, xs_ptr, b_ptr, out_ptr, M, N, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
+                      PER_CHANNEL: tl.constexpr, X_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
         """out = sum of the split partials (in split order: deterministic) * scale + bias, cast."""
         idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         live = idx < M * N
@@ -102,6 +111,8 @@ def _kernels():
             acc = acc * tl.load(s_ptr + n, mask=live, other=0.0).to(tl.float32)
         else:
             acc = acc * tl.load(s_ptr).to(tl.float32)
+        if X_SCALE:
+            acc = acc * tl.load(xs_ptr).to(tl.float32)
         if HAS_BIAS:
             acc += tl.load(b_ptr + n, mask=live, other=0.0).to(tl.float32)
         tl.store(out_ptr + idx, acc.to(out_ptr.dtype.element_ty), mask=live)
@@ -113,9 +124,7 @@ def _kernels():
         idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         live = idx < n
         x = tl.load(x_ptr + idx, mask=live, other=0.0).to(tl.float32)
-        y = tl.math.div_rn(x, tl.load(s_ptr).to(tl.float32))
-        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-        tl.store(out_ptr + idx, y.to(tl.float8e4nv), mask=live)
+        tl.store(out_ptr + idx, to_e4m3(x, tl.load(s_ptr).to(tl.float32)), mask=live)
 
     return w8_gemm, reduce_splits, quantize_e4m3
 
@@ -181,18 +190,24 @@ def config_for(device: int, rows: int = 1) -> tuple[int, ...]:
 
 def weight_only_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                        bias: Optional[torch.Tensor] = None, config: Optional[tuple[int, int, int, int]] = None,
-                       split: Optional[int] = None, sms: Optional[int] = None) -> torch.Tensor:
+                       split: Optional[int] = None, sms: Optional[int] = None,
+                       out_dtype: Optional[torch.dtype] = None, x_scale: Optional[torch.Tensor] = None
+                       ) -> torch.Tensor:
     """x [..., K] (bf16/fp16) @ 8-bit weight [N, K] (int8, or FP8 e4m3) * scale (+ bias) -> [..., N] in
     x's dtype. `scale`: per output channel [N], or one value (FP8's per-tensor scale). The weight is
     widened in registers (both 8-bit formats are exact in bf16), fp32 accumulation; the activation
     stays as it is. `split` programs share each K loop (default: enough to fill `sms` multiprocessors
-    twice); their partials are added in a fixed order (deterministic, unlike atomics)."""
+    twice); their partials are added in a fixed order (deterministic, unlike atomics).
+    An e4m3 `x` with an e4m3 weight is an FP8 GEMM on the tensor cores (W8A8, `fp8_gemm`'s small-batch
+    form), its per-tensor scale `x_scale` applied with `scale`, the result in `out_dtype`."""
     shape = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     m, k = x2.shape
     n = weight.shape[0]
     if weight.shape[1] != k or weight.stride(1) != 1:
         raise ValueError(f"weight_only_linear: weight {tuple(weight.shape)} does not take inputs of {k} features")
+    if x2.dtype == torch.float8_e4m3fn and (weight.dtype != torch.float8_e4m3fn or out_dtype is None):
+        raise ValueError("weight_only_linear: an e4m3 input takes an e4m3 weight and an out_dtype")
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     block_n, block_k, warps, stages = config or (config_for(x.device.index or 0, m) if x.is_cuda
                                                   else band_config(DEFAULT_CONFIGS, m))
@@ -201,18 +216,19 @@ def weight_only_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
         sms = sms or (_sm_count(x.device.index or 0) if x.is_cuda else 8)
         split = _split(m_tiles, n_tiles, k_blocks, sms)
     per_channel = scale.numel() != 1
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
-    b = bias if bias is not None else out  # an unused pointer without a bias
+    b = bias if bias is not None else out  # unused pointers without a bias or an activation scale
+    xs = x_scale if x_scale is not None else scale
     gemm, reduce, _ = _kernels()
-    gemm[(n_tiles, m_tiles, split)](x2, weight, scale, b, out, part, m, n, x2.stride(0), weight.stride(0), K=k,
+    gemm[(n_tiles, m_tiles, split)](x2, weight, scale, xs, b, out, part, m, n, x2.stride(0), weight.stride(0), K=k,
                                     STEPS=-(-k_blocks // split), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                                    SPLIT=split, PER_CHANNEL=per_channel, HAS_BIAS=bias is not None,
-                                    num_warps=warps, num_stages=stages)
+                                    SPLIT=split, PER_CHANNEL=per_channel, X_SCALE=x_scale is not None,
+                                    HAS_BIAS=bias is not None, num_warps=warps, num_stages=stages)
     if split > 1:
         block = 1024
-        reduce[(-(-(m * n) // block),)](part, scale, b, out, m, n, SPLIT=split, BLOCK=block, PER_CHANNEL=per_channel,
-                                        HAS_BIAS=bias is not None)
+        reduce[(-(-(m * n) // block),)](part, scale, xs, b, out, m, n, SPLIT=split, BLOCK=block,
+                                        PER_CHANNEL=per_channel, X_SCALE=x_scale is not None, HAS_BIAS=bias is not None)
     return out.reshape(*shape, n)
 
 
@@ -258,15 +274,19 @@ def fp8_gemm(xq: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Ten
     weight scales and fewer than FP8_ROWWISE_MIN_ROWS rows, `unit` (a float32 1.0 on the device) makes
     it a per-tensor GEMM into float32 whose channel scales, bias and cast one more launch applies (the
     bias added before the one rounding to out_dtype; the row-wise path rounds, then adds it in
-    out_dtype: logits of a q/k/v bias model differ by that rounding between the two row counts)."""
+    out_dtype: logits of a q/k/v bias model differ by that rounding between the two row counts). Up to
+    FP8_TRITON_MAX_ROWS rows it is the Triton kernel instead, one launch (or two with a split K loop)."""
+    if xq.shape[0] <= FP8_TRITON_MAX_ROWS:
+        return weight_only_linear(xq, weight_fp8, weight_scale, bias, out_dtype=out_dtype, x_scale=input_scale)
     if weight_scale.numel() != 1 and unit is not None and xq.shape[0] < FP8_ROWWISE_MIN_ROWS:
         y = torch._scaled_mm(xq, weight_fp8.t(), scale_a=input_scale.reshape(()).float(), scale_b=unit.float(),
                              out_dtype=torch.float32)
         m, n = y.shape
         out = torch.empty((m, n), dtype=out_dtype, device=y.device)
         block = 1024
-        _kernels()[1][(-(-(m * n) // block),)](y, weight_scale, out if bias is None else bias, out, m, n, SPLIT=1,
-                                               BLOCK=block, PER_CHANNEL=True, HAS_BIAS=bias is not None)
+        _kernels()[1][(-(-(m * n) // block),)](y, weight_scale, weight_scale, out if bias is None else bias, out, m,
+                                               n, SPLIT=1, BLOCK=block, PER_CHANNEL=True, X_SCALE=False,
+                                               HAS_BIAS=bias is not None)
         return out
     if weight_scale.numel() == 1:
         scale_a, scale_b = input_scale.reshape(()).float(), weight_scale.reshape(()).float()

@@ -128,8 +128,9 @@ class _Layer:
             self.gate_up = lambda x: torch.cat([m.gate_proj(x), m.up_proj(x)], -1)
         self.o_proj, self.down, self.act = a.o_proj, m.down_proj, m.act_fn
         # FP8 GEMMs whose input the fused kernel before them quantizes (None: it stays in the model's dtype)
-        self.qkv_fp8, self.gate_up_fp8, self.down_fp8 = (
-            p.e4m3_input_scale() if isinstance(p, Fp8Linear) else None for p in (self.qkv, self.gate_up, self.down))
+        self.qkv_fp8, self.o_fp8, self.gate_up_fp8, self.down_fp8 = (
+            p.e4m3_input_scale() if isinstance(p, Fp8Linear) else None
+            for p in (self.qkv, self.o_proj, self.gate_up, self.down))
         # what the fused kernels need: RMSNorm weights and SiLU (the llama layout's norms and activation)
         self.fusable = (hasattr(self.norm1, "weight") and hasattr(self.norm2, "weight")
                         and type(self.act).__name__ in ("SiLU", "SiLUActivation"))
@@ -298,11 +299,13 @@ class GraphRunner(BaseRunner):
                              *self._scales(i))
                 else:
                     self._kv_put(i, (write_rows, slice(None), pos), k.view(b, t, nkv, d), v.view(b, t, nkv, d))
-            o = self._decode_attention(i, form, q, write_rows, pos, ctx, mask, b, t)
+            # the split kernel quantizes o_proj's FP8 input itself (the fused path's, as the norms do)
+            o_scale = q8(layer.o_fp8) if fused and form == "split" else None
+            o = self._decode_attention(i, form, q, write_rows, pos, ctx, mask, b, t, o_scale)
             if not fused:
                 h = layer.post(h, o)
                 continue
-            h, x = add_rms_norm(h, layer.o_proj(o), layer.norm2.weight, layer.norm_eps, q8(layer.gate_up_fp8))
+            h, x = add_rms_norm(h, project(layer.o_proj, o), layer.norm2.weight, layer.norm_eps, q8(layer.gate_up_fp8))
             delta = project(layer.down, silu_mul(project(layer.gate_up, x), q8(layer.down_fp8)))
             nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
             h, x = add_rms_norm(h, delta, self.inner.norm.weight if nxt is None else nxt.norm1.weight,
@@ -313,13 +316,14 @@ class GraphRunner(BaseRunner):
         return self._head(h, True)
 
     def _decode_attention(self, i: int, form: str, q: torch.Tensor, write_rows: torch.Tensor, pos: torch.Tensor,
-                          ctx: int, mask: Optional[torch.Tensor], b: int, t: int) -> torch.Tensor:
+                          ctx: int, mask: Optional[torch.Tensor], b: int, t: int,
+                          out_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Layer i's attention for the step's queries q [B*T, nq, d] over the rows' caches, in `form`:
-        the output [B*T, nq*d]."""
+        the output [B*T, nq*d] (`split` only: e4m3 with `out_scale`, see split_kv_attention)."""
         g, nq, nkv, d = self.group, self.num_heads, self.num_kv_heads, self.head_dim
         if form == "split":  # reads the cache in place (FP8 included); the rows' slots are write_rows
             return split_kv_attention(q.view(b, t, nq, d), self.k[i], self.v[i], write_rows, pos, ctx, self.scale,
-                                      *self._scales(i)).view(b * t, nq * d)
+                                      *self._scales(i), out_scale=out_scale).view(b * t, nq * d)
         keys, values = self._kv_read(i, (slice(None, b), slice(None), slice(None, ctx)))
         if form == "gqa":
             o = F.scaled_dot_product_attention(q.view(b, t, nq, d).transpose(1, 2), keys, values, attn_mask=mask,
