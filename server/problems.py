@@ -125,6 +125,7 @@ class RunReport:
     engine_busy_seconds: Optional[float] = None  # None: the backend keeps no engine statistics
     interrupted: bool = False  # Ctrl-C (or a cancellation) ended the run early: results hold what was done
     speculative: Optional[dict] = None  # what the engine's drafter did (EngineStats.speculative), when it drafted
+    engine: Optional[dict] = None  # where the engine's time went (EngineStats.profile), for an in-process engine
 
     @property
     def tokens(self) -> int:

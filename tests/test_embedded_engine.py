@@ -71,6 +71,13 @@ def test_greedy_equals_hf_generate_with_staggered_joins_and_queueing(engine, hf)
         assert [t for d in deltas for t in d.token_ids] == list(final.token_ids)
         assert "".join(d.text for d in deltas) == final.text == hf[1].decode(ref, skip_special_tokens=True)
     assert max(engine.stats.batch_sizes) == 3 and not engine.scheduler.running
+    prof = engine.stats.profile()  # where the time went (solve's log line): every part accounted for once
+    assert prof["prefill_tokens"] == sum(len(hf[1](t, add_special_tokens=False)["input_ids"]) for t in texts) \
+        - prof["cached_tokens"]
+    assert 0 < prof["prefill_seconds"] and 0 < prof["decode_seconds"] and 1 <= prof["mean_batch"] <= 3
+    parts = prof["decode_seconds"] + prof["prefill_seconds"] + prof["sample_seconds"] + prof["other_seconds"]
+    assert abs(parts - prof["busy_seconds"]) < 0.01 and prof["steps"] == len(engine.stats.batch_sizes)
+    assert "mean batch" in engine.stats.profile_line()
 
 
 def test_prefix_reuse_is_exact(hf):

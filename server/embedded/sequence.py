@@ -68,6 +68,7 @@ class EngineStats:
     prefill_tokens: int = 0
     cached_tokens: int = 0
     forward_seconds: float = 0.0
+    prefill_seconds: float = 0.0  # the part of forward_seconds that prefilled prompts (and tool outputs)
     sample_seconds: float = 0.0
     busy_seconds: float = 0.0  # scheduler iterations with work, all included
     requests: int = 0
@@ -95,3 +96,24 @@ class EngineStats:
     @property
     def bookkeeping_seconds(self) -> float:
         return max(0.0, self.busy_seconds - self.forward_seconds - self.sample_seconds)
+
+    def profile(self) -> dict[str, Any]:
+        """Where the engine's busy time went, for solve and eval reports: decode steps (verify included)
+        with their mean batch and rate, prefills (prompts and tool outputs past the reused prefix),
+        sampling, and the rest (scheduling, KV copies between slots, streaming). Counts since start."""
+        decode = self.forward_seconds - self.prefill_seconds
+        return {"busy_seconds": round(self.busy_seconds, 3), "decode_seconds": round(decode, 3),
+                "steps": self.steps, "decode_tokens": self.decode_tokens,
+                "mean_batch": round(sum(self.batch_sizes) / len(self.batch_sizes), 2) if self.batch_sizes else 0.0,
+                "decode_tok_s": round(self.decode_tokens / decode, 1) if decode > 0 else 0.0,
+                "prefill_seconds": round(self.prefill_seconds, 3), "prefill_tokens": self.prefill_tokens,
+                "cached_tokens": self.cached_tokens, "sample_seconds": round(self.sample_seconds, 3),
+                "other_seconds": round(self.bookkeeping_seconds, 3)}
+
+    def profile_line(self) -> str:
+        """`profile()` in one line of a log."""
+        p = self.profile()
+        return (f"busy {p['busy_seconds']:.1f} s: decode {p['decode_seconds']:.1f} s ({p['steps']} steps, mean batch "
+                f"{p['mean_batch']:.1f}, {p['decode_tok_s']:.0f} tok/s), prefill {p['prefill_seconds']:.1f} s "
+                f"({p['prefill_tokens']} tokens, {p['cached_tokens']} reused), sampling {p['sample_seconds']:.1f} s, "
+                f"other {p['other_seconds']:.1f} s (scheduling, KV copies, streaming)")

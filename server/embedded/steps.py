@@ -91,7 +91,9 @@ class PlainStep:
         chunk = CHUNK if self.deterministic else PREFILL_CHUNK  # reused is a multiple of CHUNK there
         for start in range(reused, n, chunk):
             out = self.runner.prefill(seq.slot, seq.prompt[start:start + chunk], start, hidden=self.hidden)
-        self.stats.forward_seconds += time.perf_counter() - t0
+        spent = time.perf_counter() - t0
+        self.stats.forward_seconds += spent
+        self.stats.prefill_seconds += spent
         self.stats.prefill_tokens += n - reused
         seq.kv_len = n
         seq.canonical = whole_chunks(n)

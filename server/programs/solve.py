@@ -30,6 +30,8 @@ def results_json(report: Any) -> str:
     summary = report.summary()
     if report.speculative:
         summary["speculative"] = report.speculative
+    if report.engine:
+        summary["engine"] = report.engine
     summary["results"] = [{"id": r.problem_id, "answer": r.answer, "expected": r.expected, "correct": r.correct,
                            "votes": {str(k): v for k, v in r.votes.items()}, "seconds": r.seconds,
                            "finished": r.finished, "cancelled": r.cancelled, "code_calls": r.code_calls,
@@ -85,6 +87,9 @@ async def _main(args: argparse.Namespace) -> int:
         log(f"[solve] speculative decoding: {spec['accepted_draft_tokens']}/{spec['draft_tokens']} drafts accepted "
             f"({100 * spec['acceptance']:.0f}%), {spec['tokens_per_step']:.2f} tokens per sequence per step "
             f"({spec['drafting_steps']} of {spec['steps']} steps drafted)")
+    if stats is not None and hasattr(stats, "profile"):
+        report.engine = stats.profile()
+        log(f"[solve] engine {stats.profile_line()}")
     writer(report)  # the final figures (engine time) too
     if writer.error:
         log(f"[solve] {out}/results.json could not be written ({writer.error}); the table above has every answer")
