@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -87,6 +88,58 @@ def test_two_held_slots_of_different_lengths_swap_and_copy_over_each_other(model
     assert torch.equal(got[0], want_short[-1]) and torch.equal(got[1], want_long[-1])
     r.copy(1, 0, len(PROMPT))  # slot 0 := the long sequence's first len(PROMPT) positions
     assert torch.equal(r.prefill(0, long_seq[len(PROMPT):] + [11], len(PROMPT)), want_long[-1])
+
+
+def test_prefills_of_several_slots_in_one_forward_give_each_its_own_logits(model):
+    r = _runner(model)
+    want_prompt, want_other = r.prefill(0, PROMPT, 0), r.prefill(1, [5, 6, 7, 8], 0)
+    r.copy(0, 2, len(PROMPT) - 1)  # slot 2 has all but the prompt's last token (a sample sharing it)
+    got = r.prefill_rows([(1, [5, 6, 7, 8], 0), (2, PROMPT[-1:], len(PROMPT) - 1), (3, PROMPT, 0)])
+    assert got.shape == (3, model.config.vocab_size)
+    assert torch.equal(got[0], want_other) and torch.equal(got[1], want_prompt) and torch.equal(got[2], want_prompt)
+    nxt = r.decode([42, 42, 42, 42], [len(PROMPT), 4, len(PROMPT), len(PROMPT)])  # the KV each slot holds
+    assert torch.equal(nxt[0], nxt[2]) and torch.equal(nxt[0], nxt[3])
+    long_rows = _runner(model)  # more tokens than a batch holds: split across forwards, logits still per slot
+    long_rows.batch_tokens = 4
+    assert torch.equal(long_rows.prefill_rows([(0, [5, 6, 7], 0), (1, PROMPT, 0)])[1], want_prompt)
+
+
+def test_the_samples_of_a_problem_are_prefilled_in_two_forwards(gguf_folder, model):
+    """Requests sharing a prompt, submitted together: the first computes it, the others copy it and
+    compute their one remaining token in one forward together; replies as from one request alone."""
+    from server.embedded.engine import EmbeddedEngine
+
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    engine = EmbeddedEngine.from_dir(gguf_folder, max_batch_size=4, max_seq_len=64, threads=2)
+    try:
+        async def one(p: list[int]) -> list[int]:
+            async for ev in engine.generate(Request(p, params)):
+                if isinstance(ev, Final):
+                    return list(ev.token_ids)
+            return []
+
+        alone = asyncio.run(one(PROMPT))
+        engine.call_in_engine_thread(lambda: engine.scheduler.drop_all())  # no kept prefix for what follows
+        calls = []
+        rows = engine.runner.prefill_rows
+        engine.runner.prefill_rows = lambda items: calls.append([len(t) for _, t, _ in items]) or rows(items)
+
+        gate = threading.Event()  # the engine thread waits here until all four are queued: one admission
+        held = threading.Thread(target=engine.call_in_engine_thread, args=(gate.wait,))
+        held.start()
+
+        async def together() -> list[list[int]]:
+            replies = [asyncio.ensure_future(one(PROMPT)) for _ in range(4)]
+            while engine._inbox.qsize() < 4:  # each queued as its task first runs
+                await asyncio.sleep(0.01)
+            gate.set()
+            return list(await asyncio.gather(*replies))
+
+        assert asyncio.run(together()) == [alone] * 4
+        held.join()
+        assert calls == [[1, 1, 1]]  # the first sample's prompt alone (prefill), the others' last tokens together
+    finally:
+        engine.shutdown()
 
 
 def test_what_the_runner_cannot_do_is_refused_by_name(model, gguf_folder):

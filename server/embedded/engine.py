@@ -211,12 +211,7 @@ class EmbeddedEngine(EngineBase):
         try:
             for s in self.scheduler.expired():
                 self._finish(s, "timeout")
-            while (admitted := self.scheduler.admit_next()) is not None:
-                seq, refused = admitted
-                if refused:
-                    self._finish(seq, "error", error=refused)
-                else:
-                    self.step.prefill(seq)
+            self._admit()
             batch = self.scheduler.batch()
             if batch:
                 self.step.decode(batch)
@@ -224,6 +219,25 @@ class EmbeddedEngine(EngineBase):
             self._fail_all(f"{type(e).__name__}: {e}")
         self.stats.busy_seconds += time.perf_counter() - t0
         return True
+
+    def _admit(self) -> None:
+        """Admit waiting requests while slots are free and prefill them, together where the next one
+        does not wait on their prompts (`Scheduler.waits_on`): one forward for a problem's samples."""
+        admitted: list[Seq] = []
+        while True:
+            if self.scheduler.waits_on(admitted):
+                self.step.prefill_many(admitted)
+                admitted = []
+            got = self.scheduler.admit_next()
+            if got is None:
+                break
+            seq, refused = got
+            if refused:
+                self._finish(seq, "error", error=refused)
+            else:
+                admitted.append(seq)
+        if admitted:
+            self.step.prefill_many(admitted)
 
     def _fail_all(self, error: str) -> None:
         """End every request with an error, forgetting the kept prefixes (`Scheduler.drop_all`)."""

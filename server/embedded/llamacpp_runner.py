@@ -186,6 +186,8 @@ class LlamaCppRunner:
             why = "no room in the KV cache" if rc == 1 else f"llama_decode returned {rc}"
             raise RuntimeError(f"llama.cpp runner: {why} ({len(rows)} tokens)")
         n = sum(1 for r in rows if r[3])
+        if not n:  # a batch of prompt tokens whose logits come with a later batch
+            return np.empty((0, self.vocab_size), dtype=np.float32)
         ptr = ctypes.cast(self.ll.llama_get_logits(self.ctx), ctypes.POINTER(ctypes.c_float))
         return np.ctypeslib.as_array(ptr, shape=(n, self.vocab_size)).copy()
 
@@ -207,6 +209,22 @@ class LlamaCppRunner:
         """Write KV for token_ids at positions [start, start+n) of `slot`; logits [V] of the last one."""
         _no_hidden(hidden)
         return torch.from_numpy(self._prefill_logits(slot, list(token_ids), start, every=False)[-1])
+
+    def prefill_rows(self, items: list[tuple[int, list[int], int]]) -> torch.Tensor:
+        """`prefill` of several slots in one llama_decode (more where they exceed a batch): (slot,
+        token_ids, start) each; logits [n, V] of each one's last token, in order. A prefill is a pass
+        over the weights whatever its length, and the samples of one problem are admitted together,
+        each with one token to compute past the prompt copied from the first: one pass serves them all
+        (llama.cpp groups a batch's sequences into micro-batches of equal token counts)."""
+        rows: list[tuple[int, int, int, bool]] = []
+        for slot, token_ids, start in items:
+            if not token_ids:
+                raise ValueError(f"llama.cpp runner: prefill of no tokens (slot {slot})")
+            self.ensure_capacity(start + len(token_ids))
+            self._remove(slot, start)
+            rows += [(t, start + i, slot, i == len(token_ids) - 1) for i, t in enumerate(token_ids)]
+        out = [self._run(rows[lo:lo + self.batch_tokens]) for lo in range(0, len(rows), self.batch_tokens)]
+        return torch.from_numpy(np.concatenate(out))
 
     def score(self, slot: int, token_ids: list[int]) -> torch.Tensor:
         """Prefill from position 0; logits [n, V] after every token (teacher forcing)."""

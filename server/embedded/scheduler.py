@@ -68,8 +68,9 @@ class Scheduler:
     def admit_next(self) -> Optional[tuple[Seq, str]]:
         """The first waiting request while a slot is free, or None. Returned with '' once it runs in slot
         len(running) with `kv_len` positions of its prompt already there (reused); with the reason when
-        its prompt cannot run at all (the caller ends it). The caller prefills an admitted request before
-        asking again: that may end it, which frees its slot for the next."""
+        its prompt cannot run at all (the caller ends it). The caller may prefill admitted requests
+        together, after asking again, as long as `waits_on` says the next one reuses none of their
+        prompts; a prefill may end its request, which frees its slot for the next."""
         if not self.waiting or len(self.running) >= self.max_batch_size:
             return None
         seq = self.waiting.pop(0)
@@ -93,6 +94,21 @@ class Scheduler:
         seq.stream.cached_tokens, seq.stream.scheduled = best_len, time.monotonic()
         self.running.append(seq)
         return seq, ""
+
+    def waits_on(self, admitted: list[Seq]) -> bool:
+        """Whether the next waiting request would reuse more of its prompt once `admitted` (running,
+        their prompts not computed yet) are prefilled: their slots hold only the KV they reused so far,
+        so the caller prefills them before asking `admit_next` again (the samples of a problem: the
+        first computes the prompt, the rest copy it)."""
+        if not (self.waiting and admitted and self.prefix_reuse) or len(self.running) >= self.max_batch_size:
+            return False
+        prompt = self.waiting[0].prompt
+        have = self._longest_prefix(prompt, len(self.running))[1]
+        for seq in admitted:
+            i = _common_prefix(seq.prompt, prompt, min(len(seq.prompt), len(prompt) - 1))
+            if (deterministic.whole_chunks(i) if self.deterministic else i) > have:
+                return True
+        return False
 
     def finish(self, seq: Seq) -> bool:
         """Forget a request (its slot parked with the KV it leaves); False when it had already ended."""
@@ -134,11 +150,8 @@ class Scheduler:
             return best, best_len
         for s in range(self.max_batch_size):
             toks = self._slot_tokens(s)
-            m = min(len(toks), len(prompt) - 1)  # keep one token to compute: its logits start the reply
-            i = 0
-            while i < m and toks[i] == prompt[i]:
-                i += 1
-            if self.deterministic:
+            i = _common_prefix(toks, prompt, min(len(toks), len(prompt) - 1))  # one token left to compute:
+            if self.deterministic:  # its logits start the reply
                 i = deterministic.whole_chunks(i)
             if i > best_len or (i == best_len and i > 0 and s >= slot and best < slot):
                 best, best_len = s, i
@@ -154,3 +167,16 @@ class Scheduler:
             self.parked[dst] = a
         if b:
             self.parked[src] = b
+
+
+def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    """How many leading tokens a and b share, at most `limit` (whole-slice comparison first: prompts of
+    one problem share thousands)."""
+    if limit <= 0:
+        return 0
+    if a[:limit] == b[:limit]:
+        return limit
+    i = 0
+    while a[i] == b[i]:
+        i += 1
+    return i

@@ -102,6 +102,27 @@ class PlainStep:
         else:
             self._sampled([seq], out.unsqueeze(0))
 
+    def prefill_many(self, seqs: list[Seq]) -> None:
+        """`prefill` of sequences admitted together, in one forward where the runner has one
+        (`prefill_rows`: llama.cpp, where every forward is a pass over the weights and the samples of a
+        problem each have one prompt token left to compute); else one after another."""
+        rows = getattr(self.runner, "prefill_rows", None)
+        if len(seqs) < 2 or rows is None or self.deterministic or self.hidden:
+            for s in seqs:
+                self.prefill(s)
+            return
+        t0 = time.perf_counter()
+        logits = rows([(s.slot, s.prompt[s.kv_len:], s.kv_len) for s in seqs])
+        spent = time.perf_counter() - t0
+        self.stats.forward_seconds += spent
+        self.stats.prefill_seconds += spent
+        for s in seqs:
+            self.stats.cached_tokens += s.kv_len
+            self.stats.prefill_tokens += len(s.prompt) - s.kv_len
+            s.kv_len = len(s.prompt)
+            s.canonical = whole_chunks(s.kv_len)
+        self._sampled(seqs, logits)
+
     def decode(self, batch: list[Seq]) -> None:
         """One token for every sequence of the batch (slots 0..n-1); with overlap, the tokens of the
         step launched before (this step's own are streamed at the next call)."""
