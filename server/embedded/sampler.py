@@ -24,17 +24,29 @@ def make_generator(seed: Optional[int]) -> torch.Generator:
     return g
 
 
-def row_distribution(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+def _candidates(p: SamplingParams, vocab: int) -> int:
+    """How many of the most likely tokens a row's distribution is first sought among (0: all of them)."""
+    return 0 if p.top_k == 0 and p.top_p >= 1.0 else min(p.top_k or CANDIDATES, vocab)
+
+
+def row_distribution(logits: torch.Tensor, p: SamplingParams,
+                     ranked: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """The distribution a row is sampled from, as (token ids, probabilities summing to 1): the
     logits divided by the temperature, then top-k, then top-p over what top-k kept (renormalised;
     the smallest prefix of the sorted probabilities whose mass reaches p, at least one token).
-    `sample_device` implements the same rule on a GPU; speculative acceptance reads it too."""
+    `sample_device` implements the same rule on a GPU; speculative acceptance reads it too.
+    `ranked`: the row's (probabilities, top values, top ids) computed already, with its batch (`sample`)."""
     vocab = logits.numel()
-    probs = torch.softmax(logits.float() / p.temperature, -1)
-    if p.top_k == 0 and p.top_p >= 1.0:
+    k = _candidates(p, vocab)
+    if ranked is not None:
+        probs, top_p, top_i = ranked
+    else:
+        probs = torch.softmax(logits.float() / p.temperature, -1)
+        if k:
+            top_p, top_i = torch.topk(probs, k)
+    if not k:
         return torch.arange(vocab, device=logits.device), probs
-    k = min(p.top_k or CANDIDATES, vocab)
-    top_p, top_i = torch.topk(probs, k)
     if p.top_k == 0 and float(top_p.sum()) < p.top_p and k < vocab:
         top_p, top_i = torch.sort(probs, descending=True)  # nucleus wider than the candidates
     if p.top_p < 1.0:
@@ -64,8 +76,23 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) -
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams], gens: Sequence[torch.Generator]
            ) -> tuple[list[int], list[Optional[tuple[tuple[int, float], ...]]]]:
-    """Next token per row, and the top logprobs (of the untempered distribution) where asked."""
-    tokens = [_sample_row(logits[i], p, gens[i]) for i, p in enumerate(params)]
+    """Next token per row, and the top logprobs (of the untempered distribution) where asked. Rows of
+    one temperature and candidate count get their softmax and top candidates in one call each (the
+    top-k over the vocabulary is most of a row's cost; row by row, each the same numbers as alone)."""
+    tokens: list[int] = [0] * len(params)
+    groups: dict[tuple[float, int], list[int]] = {}
+    for i, p in enumerate(params):
+        if p.temperature == 0:
+            tokens[i] = int(torch.argmax(logits[i]))
+        elif _candidates(p, logits.shape[-1]):
+            groups.setdefault((p.temperature, _candidates(p, logits.shape[-1])), []).append(i)
+        else:
+            tokens[i] = _sample_row(logits[i], p, gens[i])
+    for (temperature, k), rows in groups.items():
+        probs = torch.softmax(logits[rows].float() / temperature, -1)
+        top_p, top_i = torch.topk(probs, k, -1)
+        for j, i in enumerate(rows):
+            tokens[i] = draw(*row_distribution(logits[i], params[i], (probs[j], top_p[j], top_i[j])), gens[i])
     want = max((p.top_logprobs for p in params), default=0)
     tops: list[Optional[tuple[tuple[int, float], ...]]] = [None] * len(params)
     if want:

@@ -1,0 +1,32 @@
+"""The host sampler (server/embedded/sampler.py): a row's draw depends on its logits, parameters and
+generator only, whichever rows share its batch (the batched softmax and top-k give each row the
+numbers it gets alone)."""
+
+from __future__ import annotations
+
+import torch
+
+from aimo_spec.protocol import SamplingParams
+from server.embedded.sampler import draw, make_generator, row_distribution, sample
+
+
+def _alone(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:
+    """One row's draw from its own 1-D logits (softmax and top-k of that row only)."""
+    return int(logits.argmax()) if p.temperature == 0 else draw(*row_distribution(logits, p), gen)
+
+
+def test_a_batch_draws_what_each_row_draws_alone():
+    g = torch.Generator().manual_seed(0)
+    vocab = 5000
+    logits = torch.randn(24, vocab, generator=g) * torch.linspace(0.5, 4, 24).unsqueeze(1)
+    logits[::3, :7] += 9  # peaked rows (small nucleus) beside flat ones (nucleus past the candidates)
+    logits = logits.to(torch.bfloat16).float()  # the model's rounding: ties among probabilities
+    kinds = [SamplingParams(temperature=0.7, top_p=0.95), SamplingParams(temperature=1.0, top_k=20),
+             SamplingParams(temperature=0.0), SamplingParams(temperature=0.6, top_k=50, top_p=0.9),
+             SamplingParams(temperature=1.3)]
+    params = [kinds[i % len(kinds)] for i in range(len(logits))]
+    for step in range(5):
+        together, _ = sample(logits, params, [make_generator(100 * step + i) for i in range(len(logits))])
+        alone = [_alone(logits[i], p, make_generator(100 * step + i)) for i, p in enumerate(params)]
+        assert together == alone
+        logits = logits.roll(1, 0)
