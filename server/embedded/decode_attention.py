@@ -199,11 +199,16 @@ def plan_splits(batch: int, kv_heads: int, ctx: int, programs: int, block_n: int
     return chunk, -(-ctx // chunk)
 
 
+# Programs a multiprocessor, per cache dtype: a decode program is one 16-row tile, and a second one
+# resident on each multiprocessor hides the other's memory latency (batch 16, 8k keys: 52 us against 71
+# with one); `bench.attention --tune` times 1-4 for each dtype (its last column)
+PROGRAMS_PER_SM = {"model": 2, "fp8": 2}
+
+
 @functools.lru_cache(maxsize=None)
-def _programs(device: int) -> int:
-    """Two programs per multiprocessor: a decode program is one 16-row tile, and a second one resident
-    on each multiprocessor hides the other's memory latency (batch 16, 8k keys: 52 us against 71 with one)."""
-    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+def _programs(device: int, fp8: bool) -> int:
+    """How many programs the split kernel plans for on CUDA device `device`."""
+    return PROGRAMS_PER_SM["fp8" if fp8 else "model"] * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor,
@@ -212,11 +217,11 @@ def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: 
                        config: Optional[tuple[int, int, int]] = None, out_scale: Optional[torch.Tensor] = None
                        ) -> torch.Tensor:
     """`reference_attention`'s contract, as two Triton launches. `ctx` bounds the keys read (the CUDA
-    graph's context bucket); rows whose `pos` is shorter stop early. `programs` (default: two per
-    multiprocessor on CUDA) sets how finely the keys are split; `config` (keys per iteration, warps,
-    stages; default SPLIT_CONFIG's for the cache dtype) is for measuring others. With `out_scale`, the
-    output comes as the FP8 e4m3 input of the o_proj GEMM that reads it, `quantize_e4m3(out,
-    out_scale)`'s bytes without a launch of its own."""
+    graph's context bucket); rows whose `pos` is shorter stop early. `programs` (default:
+    PROGRAMS_PER_SM's for the cache dtype on CUDA) sets how finely the keys are split; `config` (keys
+    per iteration, warps, stages; default SPLIT_CONFIG's for the cache dtype) is for measuring others.
+    With `out_scale`, the output comes as the FP8 e4m3 input of the o_proj GEMM that reads it,
+    `quantize_e4m3(out, out_scale)`'s bytes without a launch of its own."""
     b, t, nq, d = q.shape
     nkv = k.shape[1]
     g = nq // nkv
@@ -230,7 +235,7 @@ def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: 
         raise ValueError(f"split_kv_attention: keys per iteration {block_n} must be a power of two >= {BLOCK_N}")
     block_m = max(16, 1 << math.ceil(math.log2(t * g)))
     if programs is None:
-        programs = _programs(q.device.index or 0) if q.is_cuda else 8
+        programs = _programs(q.device.index or 0, fp8) if q.is_cuda else 8
     chunk, splits = plan_splits(b, nkv, ctx, programs, block_n)
     part_o = torch.empty((b * nkv * splits * block_m, d), dtype=torch.float32, device=q.device)
     part_ml = torch.empty((b * nkv * splits * block_m, 2), dtype=torch.float32, device=q.device)

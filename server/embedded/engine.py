@@ -230,14 +230,16 @@ class EmbeddedEngine(EngineBase):
                 admitted = []
             got = self.scheduler.admit_next()
             if got is None:
-                break
+                if not admitted:
+                    return
+                self.step.prefill_many(admitted)  # may end requests (a stop at the first token): their slots
+                admitted = []  # take the next waiting ones in this iteration
+                continue
             seq, refused = got
             if refused:
                 self._finish(seq, "error", error=refused)
             else:
                 admitted.append(seq)
-        if admitted:
-            self.step.prefill_many(admitted)
 
     def _fail_all(self, error: str) -> None:
         """End every request with an error, forgetting the kept prefixes (`Scheduler.drop_all`)."""

@@ -82,7 +82,9 @@ def _kernels():
                         other=0.0)
             w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K),
                         other=0.0)
-            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+            # FP8 x FP8: full fp32 accumulation (Hopper's FP8 MMA otherwise sums in reduced precision
+            # across K; _scaled_mm does not either); ignored for 16-bit operands
+            acc += tl.dot(x, tl.trans(w.to(x.dtype)), max_num_imprecise_acc=0)
         mask = (rm[:, None] < M) & (rn[None, :] < N)
         if SPLIT == 1:  # scale, bias and the cast in the same kernel: one launch a linear
             if PER_CHANNEL:
@@ -206,8 +208,9 @@ def weight_only_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     n = weight.shape[0]
     if weight.shape[1] != k or weight.stride(1) != 1:
         raise ValueError(f"weight_only_linear: weight {tuple(weight.shape)} does not take inputs of {k} features")
-    if x2.dtype == torch.float8_e4m3fn and (weight.dtype != torch.float8_e4m3fn or out_dtype is None):
-        raise ValueError("weight_only_linear: an e4m3 input takes an e4m3 weight and an out_dtype")
+    if x2.dtype == torch.float8_e4m3fn and (weight.dtype != torch.float8_e4m3fn or out_dtype is None
+                                            or x_scale is None):
+        raise ValueError("weight_only_linear: an e4m3 input takes an e4m3 weight, its x_scale and an out_dtype")
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     block_n, block_k, warps, stages = config or (config_for(x.device.index or 0, m) if x.is_cuda
                                                   else band_config(DEFAULT_CONFIGS, m))
@@ -276,7 +279,7 @@ def fp8_gemm(xq: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Ten
     bias added before the one rounding to out_dtype; the row-wise path rounds, then adds it in
     out_dtype: logits of a q/k/v bias model differ by that rounding between the two row counts). Up to
     FP8_TRITON_MAX_ROWS rows it is the Triton kernel instead, one launch (or two with a split K loop)."""
-    if xq.shape[0] <= FP8_TRITON_MAX_ROWS:
+    if 0 < xq.shape[0] <= FP8_TRITON_MAX_ROWS:
         return weight_only_linear(xq, weight_fp8, weight_scale, bias, out_dtype=out_dtype, x_scale=input_scale)
     if weight_scale.numel() != 1 and unit is not None and xq.shape[0] < FP8_ROWWISE_MIN_ROWS:
         y = torch._scaled_mm(xq, weight_fp8.t(), scale_a=input_scale.reshape(()).float(), scale_b=unit.float(),
