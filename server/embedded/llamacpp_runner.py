@@ -84,7 +84,10 @@ class LlamaCppModel:
 
     def __del__(self) -> None:
         if getattr(self, "handle", None) and not self.contexts:
-            _llama().llama_model_free(self.handle)
+            try:
+                _llama().llama_model_free(self.handle)
+            except (ImportError, TypeError, AttributeError):  # at interpreter exit, llama_cpp may be torn down
+                pass
             self.handle = None
 
 
@@ -127,7 +130,10 @@ class LlamaCppRunner:
             self.model.contexts -= 1
 
     def __del__(self) -> None:
-        self.close()
+        try:
+            self.close()
+        except (TypeError, AttributeError):  # at interpreter exit, llama_cpp's bindings may be torn down already
+            pass
 
     # ---- cache management
     def ensure_capacity(self, length: int) -> None:
