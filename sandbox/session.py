@@ -109,8 +109,11 @@ class Session:
         n = len(self._history)
         t = threading.Thread(target=self._restore_job, args=(list(self._history), fresh_worker), daemon=True,
                              name=f"sandbox-session-{self.slot}-restore")
-        self._restore = t
+        # started before it is published: `close`, from another thread (a sample cancelled while its cell
+        # crashed), joins whatever `_restore` holds, and joining a thread not started yet raises (it ended a
+        # `make solve` run); a close that sees none leaves the job to find the session closed
         t.start()
+        self._restore = t
         return (f"[the python session crashed and is being restarted; its {n} earlier cell(s) are re-run in the "
                 "background, so their variables come back]")
 

@@ -154,6 +154,30 @@ def test_session_crash_returns_within_its_timeout(pool):
         assert r.stdout.text == "3\n", r
 
 
+def test_a_session_closed_from_another_thread_as_its_cell_crashes_closes_cleanly(pool, monkeypatch):
+    """A sample cancelled (its session closed from the solver's thread) at the moment its cell crashed:
+    the close lands between the restore thread's creation and its start, and still ends cleanly."""
+    import threading
+
+    closed = []
+    real_thread = threading.Thread
+
+    class CloseFirst(real_thread):
+        def start(self) -> None:  # the window: the restore thread exists, a close comes from elsewhere
+            if self.name.endswith("-restore"):
+                closer = real_thread(target=lambda: closed.append(s.close() or True))
+                closer.start()
+                closer.join()
+            super().start()
+
+    monkeypatch.setattr(threading, "Thread", CloseFirst)
+    with pool.session() as s:
+        assert s.run("x = 1", timeout=2).ok
+        r = s.run("import os\nos._exit(1)", timeout=2)
+        assert r.restarted and closed == [True], r
+    healthy(pool)
+
+
 def test_session_restore_is_bounded_by_the_replay_budget():
     p = SandboxPool(SandboxConfig(pool_size=1, limits=Limits(wall_seconds=1.5), **FAST))
     try:
