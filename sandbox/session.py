@@ -82,8 +82,12 @@ class Session:
                 reply = worker.request({"op": "run", "code": code, "timeout": left}, left)
             except WorkerDied as e:
                 result = lost_result(e, time.monotonic() - t1, t1 - t0, time.monotonic() - t0)
+                if self._closed:  # killed by `close` under the cell: nothing to restore
+                    return result
                 return replace(result, restarted=True, note=self._crashed(fresh_worker=True))
             result = reply_result(worker, reply, t1 - t0, time.monotonic() - t0)
+            if self._closed:
+                return result
             if reply.get("crashed") or not reply["clean"]:
                 return replace(result, restarted=True, note="\n".join(
                     n for n in (note, result.note, self._crashed(fresh_worker=not reply["clean"])) if n))
@@ -216,14 +220,23 @@ class Session:
         idle = self._run_lock.acquire(blocking=False)  # no cell of this session is running
         if idle:
             self._run_lock.release()
-        restoring = self._restore is not None and self._restore.is_alive()
+        t = self._restore  # read once: a cell's thread may clear it meanwhile
+        restoring = t is not None and t.is_alive()
         # recycled only where cells run as the slot's own uid (root host + namespaces): with user
         # namespaces alone they are root inside theirs, and what such a cell changes there could outlive it
         spare = w if (w is not None and idle and not restoring and self._on_close is not None
                       and slot_uid(self.slot, self.mechanism) is not None and _park(w)) else None
+        if w is not None and spare is None and not (idle and not restoring):
+            # a cell's thread or the restore still reads from it (a sample cancelled mid-cell): kill it
+            # now, and free its descriptors only once they have seen it die and let go (closed under a
+            # reader, a descriptor number could be reused by another session's worker and read there)
+            w.kill()
+            if t is not None:
+                t.join(KILL_JOIN_SECONDS)
+            if not idle and self._run_lock.acquire(timeout=KILL_JOIN_SECONDS):
+                self._run_lock.release()
         if w is not None and spare is None:
             w.close()
-        t = self._restore
         if t is not None:
             t.join(KILL_JOIN_SECONDS)
         if self._on_close is not None:

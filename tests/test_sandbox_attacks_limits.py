@@ -159,22 +159,45 @@ def test_a_session_closed_from_another_thread_as_its_cell_crashes_closes_cleanly
     the close lands between the restore thread's creation and its start, and still ends cleanly."""
     import threading
 
-    closed = []
+    closed, closers = [], []
     real_thread = threading.Thread
 
     class CloseFirst(real_thread):
         def start(self) -> None:  # the window: the restore thread exists, a close comes from elsewhere
             if self.name.endswith("-restore"):
                 closer = real_thread(target=lambda: closed.append(s.close() or True))
+                closers.append(closer)
                 closer.start()
-                closer.join()
+                closer.join(1.0)  # it ends, or waits for this cell's thread to let go of the worker
             super().start()
 
     monkeypatch.setattr(threading, "Thread", CloseFirst)
     with pool.session() as s:
         assert s.run("x = 1", timeout=2).ok
         r = s.run("import os\nos._exit(1)", timeout=2)
-        assert r.restarted and closed == [True], r
+        assert r.status != "ok", r
+    for closer in closers:
+        closer.join()
+    assert len(closers) == 1 and closed == [True]
+    healthy(pool)
+
+
+def test_a_session_closed_while_its_cell_runs_kills_the_cell_and_frees_the_worker_after_it(pool):
+    """A sample cancelled mid-cell (early stopping): close, from another thread, kills the cell at once
+    and frees the worker only after the cell's thread has seen it die; the cell reports, no restore starts."""
+    import threading
+
+    s = pool.session()
+    assert s.run("x = 1", timeout=2).ok
+    out = []
+    runner = threading.Thread(target=lambda: out.append(s.run("import time\ntime.sleep(600)", timeout=900)))
+    runner.start()
+    while not s._run_lock.locked():  # the cell's thread has it: the cell runs (or is about to)
+        time.sleep(0.01)
+    s.close()
+    runner.join(120)  # long before the cell's own 600 s
+    assert not runner.is_alive() and out and out[0].status != "ok" and not out[0].restarted, out
+    assert s._restore is None
     healthy(pool)
 
 
