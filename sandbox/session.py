@@ -237,8 +237,6 @@ class Session:
                 self._run_lock.release()
         if w is not None and spare is None:
             w.close()
-        if t is not None:
-            t.join(KILL_JOIN_SECONDS)
         if self._on_close is not None:
             self._on_close(self, spare)
 

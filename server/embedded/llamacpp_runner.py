@@ -197,24 +197,23 @@ class LlamaCppRunner:
         ptr = ctypes.cast(self.ll.llama_get_logits(self.ctx), ctypes.POINTER(ctypes.c_float))
         return np.ctypeslib.as_array(ptr, shape=(n, self.vocab_size)).copy()
 
-    def _prefill_logits(self, slot: int, token_ids: list[int], start: int, every: bool) -> np.ndarray:
-        end = start + len(token_ids)
-        self.ensure_capacity(end)
-        if not token_ids:
-            raise ValueError("llama.cpp runner: prefill of no tokens")
-        self._remove(slot, start)
-        outs = []
-        for lo in range(0, len(token_ids), self.batch_tokens):
-            chunk = token_ids[lo:lo + self.batch_tokens]
-            last = lo + len(chunk) == len(token_ids)
-            outs.append(self._run([(t, start + lo + i, slot, every or (last and i == len(chunk) - 1))
-                                   for i, t in enumerate(chunk)]))
-        return np.concatenate(outs)
+    def _prefill_logits(self, items: list[tuple[int, list[int], int]], every: bool) -> np.ndarray:
+        """KV for each (slot, token_ids, start) at positions [start, start+n) of its slot, all in as few
+        llama_decode calls as a batch holds; the logits of every token (`every`) or of each one's last."""
+        rows: list[tuple[int, int, int, bool]] = []
+        for slot, token_ids, start in items:
+            self.ensure_capacity(start + len(token_ids))
+            if not token_ids:
+                raise ValueError(f"llama.cpp runner: prefill of no tokens (slot {slot})")
+            self._remove(slot, start)
+            rows += [(t, start + i, slot, every or i == len(token_ids) - 1) for i, t in enumerate(token_ids)]
+        return np.concatenate([self._run(rows[lo:lo + self.batch_tokens])
+                               for lo in range(0, len(rows), self.batch_tokens)])
 
     def prefill(self, slot: int, token_ids: list[int], start: int, hidden: bool = False) -> torch.Tensor:
         """Write KV for token_ids at positions [start, start+n) of `slot`; logits [V] of the last one."""
         _no_hidden(hidden)
-        return torch.from_numpy(self._prefill_logits(slot, list(token_ids), start, every=False)[-1])
+        return torch.from_numpy(self._prefill_logits([(slot, list(token_ids), start)], every=False)[-1])
 
     def prefill_rows(self, items: list[tuple[int, list[int], int]]) -> torch.Tensor:
         """`prefill` of several slots in one llama_decode (more where they exceed a batch): (slot,
@@ -222,19 +221,11 @@ class LlamaCppRunner:
         over the weights whatever its length, and the samples of one problem are admitted together,
         each with one token to compute past the prompt copied from the first: one pass serves them all
         (llama.cpp groups a batch's sequences into micro-batches of equal token counts)."""
-        rows: list[tuple[int, int, int, bool]] = []
-        for slot, token_ids, start in items:
-            if not token_ids:
-                raise ValueError(f"llama.cpp runner: prefill of no tokens (slot {slot})")
-            self.ensure_capacity(start + len(token_ids))
-            self._remove(slot, start)
-            rows += [(t, start + i, slot, i == len(token_ids) - 1) for i, t in enumerate(token_ids)]
-        out = [self._run(rows[lo:lo + self.batch_tokens]) for lo in range(0, len(rows), self.batch_tokens)]
-        return torch.from_numpy(np.concatenate(out))
+        return torch.from_numpy(self._prefill_logits(items, every=False))
 
     def score(self, slot: int, token_ids: list[int]) -> torch.Tensor:
         """Prefill from position 0; logits [n, V] after every token (teacher forcing)."""
-        return torch.from_numpy(self._prefill_logits(slot, list(token_ids), 0, every=True))
+        return torch.from_numpy(self._prefill_logits([(slot, list(token_ids), 0)], every=True))
 
     def decode(self, token_ids: Any, positions: list[int], hidden: bool = False) -> torch.Tensor:
         """One token for each slot 0..n-1 at its position; logits [n, V]."""

@@ -82,10 +82,9 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], gens: Sequenc
     tokens: list[int] = [0] * len(params)
     groups: dict[tuple[float, int], list[int]] = {}
     for i, p in enumerate(params):
-        if p.temperature == 0:
-            tokens[i] = int(torch.argmax(logits[i]))
-        elif _candidates(p, logits.shape[-1]):
-            groups.setdefault((p.temperature, _candidates(p, logits.shape[-1])), []).append(i)
+        k = _candidates(p, logits.shape[-1])
+        if p.temperature != 0 and k:
+            groups.setdefault((p.temperature, k), []).append(i)
         else:
             tokens[i] = _sample_row(logits[i], p, gens[i])
     for (temperature, k), rows in groups.items():

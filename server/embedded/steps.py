@@ -84,19 +84,12 @@ class PlainStep:
 
     def prefill(self, seq: Seq) -> None:
         """Compute the KV of seq's prompt past the `kv_len` positions reused, then sample its first token."""
-        n, reused = len(seq.prompt), seq.kv_len
-        self.stats.cached_tokens += reused
         t0 = time.perf_counter()
         out = None
         chunk = CHUNK if self.deterministic else PREFILL_CHUNK  # reused is a multiple of CHUNK there
-        for start in range(reused, n, chunk):
+        for start in range(seq.kv_len, len(seq.prompt), chunk):
             out = self.runner.prefill(seq.slot, seq.prompt[start:start + chunk], start, hidden=self.hidden)
-        spent = time.perf_counter() - t0
-        self.stats.forward_seconds += spent
-        self.stats.prefill_seconds += spent
-        self.stats.prefill_tokens += n - reused
-        seq.kv_len = n
-        seq.canonical = whole_chunks(n)
+        self._prefilled([seq], time.perf_counter() - t0)
         if self.hidden:
             self._sampled([seq], out[0].unsqueeze(0), out[1].unsqueeze(0))
         else:
@@ -113,15 +106,19 @@ class PlainStep:
             return
         t0 = time.perf_counter()
         logits = rows([(s.slot, s.prompt[s.kv_len:], s.kv_len) for s in seqs])
-        spent = time.perf_counter() - t0
-        self.stats.forward_seconds += spent
-        self.stats.prefill_seconds += spent
+        self._prefilled(seqs, time.perf_counter() - t0)
+        self._sampled(seqs, logits)
+
+    def _prefilled(self, seqs: list[Seq], seconds: float) -> None:
+        """Count a prefill forward of `seqs` (their reused and computed prompt tokens, its time); each
+        sequence's KV now covers its whole prompt."""
+        self.stats.forward_seconds += seconds
+        self.stats.prefill_seconds += seconds
         for s in seqs:
             self.stats.cached_tokens += s.kv_len
             self.stats.prefill_tokens += len(s.prompt) - s.kv_len
             s.kv_len = len(s.prompt)
             s.canonical = whole_chunks(s.kv_len)
-        self._sampled(seqs, logits)
 
     def decode(self, batch: list[Seq]) -> None:
         """One token for every sequence of the batch (slots 0..n-1); with overlap, the tokens of the
