@@ -85,17 +85,21 @@ PROGRAMS_PER_SM = (1, 2, 3, 4)
 
 def tune_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kq: torch.Tensor, vq: torch.Tensor,
                ks: torch.Tensor, vs: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, ctx: int, scale: float,
-               ref: torch.Tensor) -> dict[str, list]:
-    """The split kernel's time per (keys an iteration, warps, stages, programs a multiprocessor), bf16
-    and FP8 caches, fastest first (the three best of each); a configuration that fails or is wrong is skipped."""
+               ref: torch.Tensor, caches: tuple[str, ...] = ("split", "split_fp8"),
+               per_sms: tuple[int, ...] = PROGRAMS_PER_SM) -> dict[str, list]:
+    """The split kernel's time per (keys an iteration, warps, stages, programs a multiprocessor), over
+    the bf16 (`split`) and FP8 (`split_fp8`) caches named in `caches`, fastest first (the three best of
+    each); a configuration that fails or is wrong is skipped."""
     from server.embedded.decode_attention import split_kv_attention
 
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     out: dict[str, list] = {}
     for name, (kc, vc, ksc, vsc) in {"split": (k, v, None, None), "split_fp8": (kq, vq, ks, vs)}.items():
+        if name not in caches:
+            continue
         timed = []
         for config in TUNE_CONFIGS:
-            for per_sm in PROGRAMS_PER_SM:
+            for per_sm in per_sms:
                 def fn(config=config, per_sm=per_sm) -> torch.Tensor:
                     return split_kv_attention(q, kc, vc, rows, pos, ctx, scale, ksc, vsc, programs=per_sm * sms,
                                               config=config)
@@ -117,6 +121,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--tune", action="store_true",
                     help="also time the split kernel over launch configurations and programs a multiprocessor "
                          "(row key 'tune': the fastest first), to set decode_attention.SPLIT_CONFIG")
+    ap.add_argument("--tune-caches", default="split,split_fp8", help="the forms --tune times: split, split_fp8")
+    ap.add_argument("--tune-programs", type=comma_ints, default=list(PROGRAMS_PER_SM),
+                    help="programs a multiprocessor --tune tries")
     args = ap.parse_args(argv)
     from server.embedded.decode_attention import quantize_kv, reference_attention
 
@@ -149,7 +156,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                         row[name] = {"us": round(us, 1), "max_abs_err": round(err, 4),
                                      "of_bound": round(read / bandwidth / (us * 1e-6), 3)}
                     if args.tune:
-                        row["tune"] = tune_split(q, k, v, kq, vq, ks, vs, rows, pos, ctx, d ** -0.5, ref)
+                        row["tune"] = tune_split(q, k, v, kq, vq, ks, vs, rows, pos, ctx, d ** -0.5, ref,
+                                                 tuple(args.tune_caches.split(",")), tuple(args.tune_programs))
                     row["bound_bf16_us"] = round(bf16_bytes / bandwidth * 1e6, 1)
                     results.append(row)
                     print(json.dumps(row), flush=True)

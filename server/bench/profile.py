@@ -1,7 +1,7 @@
 """Where a GPU decode step's time goes: the GraphRunner's kernels, timed by the profiler, per step.
 
     python -m server.bench.profile [--shapes 14b] [--formats bf16,fp8] [--batches 1] [--contexts 512]
-                                   [--kv-cache auto] [--steps 16] [--out bench/profile.json]
+                                   [--kv-cache auto] [--tokens 1,4] [--steps 16] [--out bench/profile.json]
 
 `server.bench.gpu` says how far a step is from the bytes it reads; this says which kernels hold the
 rest. For each (shape, format, KV dtype, batch, context) the same random-weight model as bench.gpu is
@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 import torch
 
-from server.bench.device import cuda_device, gpu_environment, grid_arguments, write_rows
+from server.bench.device import comma_ints, cuda_device, gpu_environment, grid_arguments, write_rows
 from server.bench.gpu import SHAPES, build, log
 from server.tables import format_table
 
@@ -43,24 +43,29 @@ def role(name: str) -> str:
 
 
 @torch.inference_mode()
-def profile_steps(runner: Any, vocab: int, b: int, context: int, steps: int
+def profile_steps(runner: Any, vocab: int, b: int, context: int, steps: int, tokens: int = 1
                   ) -> tuple[float, dict[str, float], float]:
     """(median wall ms of a step, {kernel name: device us a step}, kernels a step) over `steps` decode
-    steps (the wall time measured apart from the profiled steps, whose tracing costs time)."""
+    steps, or verify steps of `tokens` tokens a row (a speculative step's target forward), the wall
+    time measured apart from the profiled steps, whose tracing costs time."""
     from torch.profiler import ProfilerActivity, profile
 
     gen = torch.Generator().manual_seed(0)
     for slot in range(b):
         runner.prefill(slot, torch.randint(0, vocab, (context,), generator=gen).tolist(), 0)
-    tokens = torch.randint(0, vocab, (b,), generator=gen).tolist()
+    ids = torch.randint(0, vocab, (b,), generator=gen).tolist()
+    drafts = torch.randint(0, vocab, (b, tokens), generator=gen).tolist()
     pos = context
 
     def step() -> float:
-        nonlocal tokens, pos
+        nonlocal ids, pos
         torch.cuda.synchronize()
         t = time.perf_counter()
-        tokens = runner.decode(tokens, [pos] * b).argmax(-1).tolist()
-        pos += 1
+        if tokens > 1:  # the same rows each time: a verify writes its tokens' keys but keeps the position
+            runner.verify(drafts, [context] * b).argmax(-1).tolist()
+        else:
+            ids = runner.decode(ids, [pos] * b).argmax(-1).tolist()
+            pos += 1
         return time.perf_counter() - t
 
     for _ in range(5):  # graphs captured, kernels compiled
@@ -86,6 +91,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--formats", default="bf16,fp8")
     ap.add_argument("--kv-cache", default="auto", help="KV cache dtypes: auto (the model's), fp8")
     ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--tokens", type=comma_ints, default=[1], help="query tokens a row: 1 decode, 4 a 1+3 verify")
     ap.add_argument("--top", type=int, default=12, help="kernels printed a row (all are written)")
     args = ap.parse_args(argv)
     dev = cuda_device("bench.profile")
@@ -102,22 +108,22 @@ def main(argv: Optional[list[str]] = None) -> int:
                 runner = GraphRunner(model, max(args.batches), max(args.contexts) + 2 * args.steps + 16,
                                      kv_cache_dtype=kv)
                 for context in args.contexts:
-                    for b in args.batches:
-                        wall, kernels, launches = profile_steps(runner, vocab, b, context, args.steps)
+                    for b, tokens in ((b, t) for b in args.batches for t in args.tokens):
+                        wall, kernels, launches = profile_steps(runner, vocab, b, context, args.steps, tokens)
                         roles: dict[str, float] = {}
                         for name, us in kernels.items():
                             roles[role(name)] = roles.get(role(name), 0.0) + us
                         busy = sum(kernels.values())
                         row = {"shape": shape, "format": fmt, "kv_cache": kv, "batch": b, "context": context,
-                               "step_ms": round(wall, 3), "kernels_ms": round(busy / 1e3, 3),
+                               "tokens": tokens, "step_ms": round(wall, 3), "kernels_ms": round(busy / 1e3, 3),
                                "idle_ms": round(wall - busy / 1e3, 3),
                                "kernels_a_step": round(launches, 1),
                                "roles_us": {k: round(v, 1) for k, v in sorted(roles.items(), key=lambda kv: -kv[1])},
                                "kernels_us": {k: round(v, 1) for k, v in sorted(kernels.items(),
                                                                                  key=lambda kv: -kv[1])}}
                         rows.append(row)
-                        log(f"{shape} {fmt} kv={kv} b={b} ctx={context}: step {wall:.3f} ms, kernels "
-                            f"{busy / 1e3:.3f} ms")
+                        log(f"{shape} {fmt} kv={kv} b={b} ctx={context} tokens={tokens}: step {wall:.3f} ms, "
+                            f"kernels {busy / 1e3:.3f} ms")
                         top = list(row["kernels_us"].items())[:args.top]
                         table = ([{"what": k, "us": v} for k, v in row["roles_us"].items()]
                                  + [{"what": "  " + k[:90], "us": v} for k, v in top])
