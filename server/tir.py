@@ -186,16 +186,13 @@ class TIRClient:
                 if self.record_tokens:
                     trace.segments.append((block_ids, False))
         finally:
-            if session:
-                try:
-                    session[0].close()
-                except Exception as e:  # noqa: BLE001 - the sample is over; its sandbox must not end the run
-                    print(f"[tir] closing a sample's python session failed: {type(e).__name__}: {e}", file=sys.stderr)
             trace.text = "".join(parts)
             trace.boxed = last_boxed(trace.text)
             trace.answer = normalize(trace.boxed, modulus)
             trace.local_entropy = local_entropy(token_entropy, boxed_span(trace.text), self.answer_window)
             trace.seconds = time.monotonic() - trace.started
+            if session:
+                await close_session(session[0])
         return trace
 
     async def _turn(self, request: Request, trace: SampleTrace, cancelled: asyncio.Event,
@@ -287,6 +284,19 @@ class TIRClient:
         trace.code_calls.append(ToolCall(code, result.status, result.seconds, feedback, error_kind(result), cut,
                                          result.fault))
         return self.output_block(feedback)
+
+
+async def close_session(start: "SessionStart") -> None:
+    """Close a sample's session from the event loop without stalling it. A session closed while its
+    cell still runs (early stopping cancels samples mid-cell) kills the worker and waits for the cell's
+    reader to let go, which can take seconds; on the loop that would hold every other sample's stream.
+    So the close runs in a thread. A cancellation that arrives meanwhile leaves the thread to finish
+    it (asyncio.run joins its threads before returning). A failed close is logged: the sample is over,
+    and its sandbox must not end the run."""
+    try:
+        await asyncio.to_thread(start.close)
+    except Exception as e:  # noqa: BLE001 - see the docstring
+        print(f"[tir] closing a sample's python session failed: {type(e).__name__}: {e}", file=sys.stderr)
 
 
 class SessionStart:

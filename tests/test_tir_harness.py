@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 import time
 
 import pytest
@@ -253,3 +254,46 @@ def test_a_session_starts_at_the_first_token_not_while_queued(pool):
 
     queued, t = run(go())
     assert queued == 0 and sandbox.sessions == 1 and t.answer == 6 and t.code_calls[0].status == "ok"
+
+
+class SlowCloseSandbox:
+    """Test double around the real pool: a session's close waits until the test releases it (as a
+    close that kills a worker mid-cell waits for the cell's reader), and records whether it was."""
+
+    def __init__(self, pool):
+        self.pool = pool
+        self.closing, self.release = threading.Event(), threading.Event()
+        self.released: list[bool] = []
+
+    def session(self):
+        inner, outer = self.pool.session(), self
+
+        class Session:
+            async def arun(self, code, timeout=None):
+                return await inner.arun(code, timeout)
+
+            def close(self):
+                outer.closing.set()
+                outer.released.append(outer.release.wait(10))
+                inner.close()
+
+        return Session()
+
+    async def arun(self, code, timeout=None):
+        return await self.pool.arun(code, timeout)
+
+
+def test_closing_a_sample_session_does_not_hold_the_event_loop(pool):
+    # were the close run on the loop, the loop could not release it: the close would wait its 10 s out
+    sandbox = SlowCloseSandbox(pool)
+    eng = ScriptedEngine(two_turn_script(["```python\nx = 6\n```\n"], lambda out: ["\\boxed{6}"]))
+
+    async def go():
+        task = asyncio.ensure_future(client(eng, sandbox).run(eng.tokenize("p"), 0, 1))
+        while not sandbox.closing.is_set():
+            await asyncio.sleep(0.01)
+        sandbox.release.set()
+        return await task
+
+    t = run(go())
+    assert t.answer == 6 and sandbox.released == [True]
