@@ -155,3 +155,23 @@ def test_write_kv_writes_what_indexing_writes(fp8):
     if fp8:
         torch.testing.assert_close(scales[2], scales[0], rtol=1e-6, atol=0)
         torch.testing.assert_close(scales[3], scales[1], rtol=1e-6, atol=0)
+
+
+@pytest.mark.skipif(not (CUDA or HAS_TRITON), reason="needs CUDA or Triton's interpreter")
+@pytest.mark.parametrize("fp8", [False, True])
+def test_a_row_shorter_than_the_bucket_spreads_its_keys_over_every_split(fp8):
+    """A graph captured for a 1024-key bucket runs rows of 1024 and 300 keys: both rows' keys are dealt
+    over all the programs a row gets (each sums some), not the short row's to the first two of them."""
+    from server.embedded.decode_attention import split_kv_attention, split_partials
+
+    dtype, device = (torch.bfloat16, "cuda") if CUDA else (torch.float16, "cpu")
+    q, k, v, rows, _, ks, vs = _case(2, 1, 4, 2, 16, 2, 1024, 1024, fp8, dtype, device, 16)
+    pos = torch.tensor([[1023], [299]], device=device)
+    _, ml, splits, block_m = split_partials(q, k, v, rows, pos, 1024, 0.25, ks, vs, programs=16, config=(64, 4, 2))
+    assert splits == 4
+    sums = ml[:, 1].view(2, 2, splits, block_m)[:, :, :, :2]  # (row, KV head, split, the group's 2 query heads)
+    assert (sums > 0).all()
+    ref = reference_attention(q.float(), dequantize_kv(k, ks, torch.float32), dequantize_kv(v, vs, torch.float32),
+                              rows, pos, 1024, 0.25)
+    out = split_kv_attention(q, k, v, rows, pos, 1024, 0.25, ks, vs, programs=16, config=(64, 4, 2))
+    assert (out.float() - ref).abs().max().item() < (2e-2 if dtype == torch.bfloat16 else 3e-3)

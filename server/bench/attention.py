@@ -1,12 +1,13 @@
 """Decode attention on a GPU: the forms the engine can use, side by side, against the bytes they must read.
 
     python -m server.bench.attention [--shapes 1.5b,7b,14b] [--batches 1,4,16] [--contexts 512,8192,16384]
-                                     [--tokens 1,4] [--out bench/attention.json]
+                                     [--tokens 1,4] [--fill 1.0] [--out bench/attention.json]
 
 One layer's attention over the static slot cache, at each shape's head counts, for a batch of rows
-whose keys fill the context: SDPA with the group's query heads as query rows (`rows`), SDPA's
-grouped-query form (`gqa`), the split-KV Triton kernel over a bf16 cache (`split`) and over an FP8
-cache with per-vector scales (`split_fp8`). Each is timed as a CUDA-graph replay of 20 calls
+whose keys fill the context (the CUDA graph's bucket; `--fill` of it, as rows past a power of two
+do): SDPA with the group's query heads as query rows (`rows`), SDPA's grouped-query form (`gqa`),
+the split-KV Triton kernel over a bf16 cache (`split`) and over an FP8 cache with per-vector scales
+(`split_fp8`). Each is timed as a CUDA-graph replay of 20 calls
 (median of 5), as the engine runs it; the bound is the cache bytes the call must read over the
 measured copy bandwidth. Each form's output is checked against `reference_attention` first.
 """
@@ -118,6 +119,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     grid_arguments(ap, HEADS, shapes="1.5b,7b,14b", batches="1,4,16", contexts="512,8192,16384")
     ap.add_argument("--tokens", type=comma_ints, default=[1, 4],
                     help="query tokens per row (1: decode, 4: a 1+3 verify)")
+    ap.add_argument("--fill", type=float, default=1.0,
+                    help="the fraction of the context (the CUDA graph's bucket) each row's keys fill: 0.51 is a "
+                         "row just past the previous power of two")
     ap.add_argument("--tune", action="store_true",
                     help="also time the split kernel over launch configurations and programs a multiprocessor "
                          "(row key 'tune': the fastest first), to set decode_attention.SPLIT_CONFIG")
@@ -145,14 +149,15 @@ def main(argv: Optional[list[str]] = None) -> int:
                 for t in args.tokens:
                     q = torch.randn(b, t, nq, d, device=dev, dtype=torch.bfloat16)
                     rows = torch.arange(b, device=dev)
-                    pos = (torch.arange(t, device=dev) + ctx - t).view(1, t).expand(b, t).contiguous()
+                    keys = max(t, int(ctx * args.fill))  # the keys each row holds; ctx is the graph's bucket
+                    pos = (torch.arange(t, device=dev) + keys - t).view(1, t).expand(b, t).contiguous()
                     ref = reference_attention(q, k, v, rows, pos, ctx, d ** -0.5).float()
-                    row = {"shape": shape, "batch": b, "context": ctx, "tokens": t}
-                    bf16_bytes = 2 * b * nkv * ctx * d * 2
+                    row = {"shape": shape, "batch": b, "context": ctx, "keys": keys, "tokens": t}
+                    bf16_bytes = 2 * b * nkv * keys * d * 2
                     for name, fn in forms(q, k, v, kq, vq, ks, vs, rows, pos, ctx, d ** -0.5).items():
                         err = (fn().float() - ref).abs().max().item()
                         us = time_graph(fn)
-                        read = bf16_bytes // 2 + 2 * b * nkv * ctx * 4 if name == "split_fp8" else bf16_bytes
+                        read = bf16_bytes // 2 + 2 * b * nkv * keys * 4 if name == "split_fp8" else bf16_bytes
                         row[name] = {"us": round(us, 1), "max_abs_err": round(err, 4),
                                      "of_bound": round(read / bandwidth / (us * 1e-6), 3)}
                     if args.tune:

@@ -93,17 +93,23 @@ def _kernels():
                     + dd[None, :], mask=live[:, None], other=0.0)
         if FP8:  # e4m3 widens to fp16 in one instruction (to bf16 it takes several): the dots run in fp16
             q = q.to(tl.float16)
-        start = split * CHUNK
-        end = tl.minimum(start + CHUNK, tl.max(qpos, 0) + 1)
+        # This row's keys (the most any of its tokens sees) in whole blocks, dealt evenly over its SPLITS
+        # programs: the split follows the row's own length, not the context bucket the graph was
+        # captured for (a row just past a power of two would otherwise leave half its programs idle).
+        # No program gets more than CHUNK keys, the bucket's chunk.
+        keys = tl.max(qpos, 0) + 1
+        blocks = tl.cdiv(keys, BLOCK_N)
+        start = (split * blocks // SPLITS) * BLOCK_N
+        end = tl.minimum(((split + 1) * blocks // SPLITS) * BLOCK_N, keys)
         m_i = tl.full((BLOCK_M,), -1.0e30, tl.float32)
         l_i = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, D), tl.float32)
         k_base = k_ptr + slot * stride_cs + h * stride_ch
         v_base = v_ptr + slot * stride_cs + h * stride_ch
         # The loop body holds no branch, so the compiler can prefetch the next block's keys and values
-        # while this one computes (loads under an `if` are not pipelined). On a GPU it runs to the row's
-        # last key; the interpreter needs a constant trip count, and blocks past `end` are fully
-        # masked (no bytes read, probabilities 0).
+        # while this one computes (loads under an `if` are not pipelined). On a GPU it runs to the
+        # chunk's last key; the interpreter needs a constant trip count (the bucket's CHUNK), and blocks
+        # past `end` are fully masked (no bytes read, probabilities 0).
         for i in range(0, tl.cdiv(end - start, BLOCK_N) if RUNTIME_LOOP else CHUNK // BLOCK_N):
             n = start + i * BLOCK_N + tl.arange(0, BLOCK_N)
             kmask = n < end
@@ -112,7 +118,10 @@ def _kernels():
             s = tl.dot(q, tl.trans(kb.to(q.dtype))) * sm_scale
             if FP8:
                 s = s * tl.load(ks_ptr + slot * stride_ss + h * stride_sh + n, mask=kmask, other=0.0)[None, :]
-            s = tl.where(n[None, :] <= qpos[:, None], s, float("-inf"))
+            seen = n[None, :] <= qpos[:, None]
+            if not RUNTIME_LOOP:  # the constant trip count runs on into the next chunk's keys
+                seen = seen & kmask[None, :]
+            s = tl.where(seen, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])
@@ -191,7 +200,8 @@ MAX_SPLITS = 32
 def plan_splits(batch: int, kv_heads: int, ctx: int, programs: int, block_n: int = BLOCK_N) -> tuple[int, int]:
     """(chunk, splits): keys per program and programs per (row, KV head), so that at most about `programs`
     programs run, each reading at least `block_n` keys (a whole number of blocks), and no row is cut
-    into more than MAX_SPLITS."""
+    into more than MAX_SPLITS. The chunk is a row of `ctx` keys'; the kernel cuts a shorter row's
+    keys into the same number of smaller chunks (`split_kv`)."""
     # rounded down: programs past a whole wave would run as a second, mostly idle one
     want = min(MAX_SPLITS, max(1, programs // (batch * kv_heads)))
     chunk = max(block_n, -(-ctx // want))
@@ -217,11 +227,33 @@ def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: 
                        config: Optional[tuple[int, int, int]] = None, out_scale: Optional[torch.Tensor] = None
                        ) -> torch.Tensor:
     """`reference_attention`'s contract, as two Triton launches. `ctx` bounds the keys read (the CUDA
-    graph's context bucket); rows whose `pos` is shorter stop early. `programs` (default:
+    graph's context bucket) and, with `programs`, sets how many programs a row gets; each row's own
+    keys (up to its `pos`) are cut evenly among them, so a row far shorter than the bucket keeps them
+    all busy. `programs` (default:
     PROGRAMS_PER_SM's for the cache dtype on CUDA) sets how finely the keys are split; `config` (keys
     per iteration, warps, stages; default SPLIT_CONFIG's for the cache dtype) is for measuring others.
     With `out_scale`, the output comes as the FP8 e4m3 input of the o_proj GEMM that reads it,
     `quantize_e4m3(out, out_scale)`'s bytes without a launch of its own."""
+    part_o, part_ml, splits, block_m = split_partials(q, k, v, rows, pos, ctx, scale, k_scale, v_scale, programs,
+                                                      config)
+    b, t, nq, d = q.shape
+    nkv = k.shape[1]
+    out = torch.empty_like(q, dtype=torch.float8_e4m3fn if out_scale is not None else q.dtype)
+    _kernels()[1][(b * nkv,)](part_o, part_ml, out, q, part_ml if out_scale is None else out_scale,
+                              out.stride(0), out.stride(1), out.stride(2),
+                              NKV=nkv, T=t, G=nq // nkv, D=d, BLOCK_M=block_m, SPLITS=splits,
+                              QUANT=out_scale is not None)
+    return out
+
+
+def split_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor,
+                   ctx: int, scale: float, k_scale: Optional[torch.Tensor] = None,
+                   v_scale: Optional[torch.Tensor] = None, programs: Optional[int] = None,
+                   config: Optional[tuple[int, int, int]] = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """The split kernel's launch (split_kv_attention's first half): (partial outputs [B*nkv*splits*block_m,
+    d], their running max and sum [.., 2], splits, block_m), the rows of program (b, kv head, split) at
+    ((b*nkv + head)*splits + split)*block_m."""
     b, t, nq, d = q.shape
     nkv = k.shape[1]
     g = nq // nkv
@@ -239,20 +271,15 @@ def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: 
     chunk, splits = plan_splits(b, nkv, ctx, programs, block_n)
     part_o = torch.empty((b * nkv * splits * block_m, d), dtype=torch.float32, device=q.device)
     part_ml = torch.empty((b * nkv * splits * block_m, 2), dtype=torch.float32, device=q.device)
-    out = torch.empty_like(q, dtype=torch.float8_e4m3fn if out_scale is not None else q.dtype)
     ks = k_scale if fp8 else part_ml  # an unused pointer when the cache is not FP8
     vs = v_scale if fp8 else part_ml
-    split_kernel, combine_kernel, _ = _kernels()
-    split_kernel[(b * nkv, splits)](
+    _kernels()[0][(b * nkv, splits)](
         q, k, v, ks, vs, rows, pos, part_o, part_ml, scale, rows.stride(0),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         ks.stride(0) if fp8 else 0, ks.stride(1) if fp8 else 0,
         NKV=nkv, T=t, G=g, D=d, BLOCK_M=block_m, BLOCK_N=block_n, CHUNK=chunk, SPLITS=splits, FP8=fp8,
         RUNTIME_LOOP=not interpreted(), num_warps=warps, num_stages=stages)
-    combine_kernel[(b * nkv,)](part_o, part_ml, out, q, part_ml if out_scale is None else out_scale,
-                               out.stride(0), out.stride(1), out.stride(2),
-                               NKV=nkv, T=t, G=g, D=d, BLOCK_M=block_m, SPLITS=splits, QUANT=out_scale is not None)
-    return out
+    return part_o, part_ml, splits, block_m
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
