@@ -188,10 +188,20 @@ def _kernels():
 
 
 BLOCK_N = 64  # keys a loop iteration reads (the smallest a launch configuration may use)
-# (keys an iteration reads, warps, pipeline stages) of the split kernel, per cache dtype: the fastest or
-# within 1% of it at 14B and 1.5B, batch 1 and 16, 8k keys (`python -m server.bench.attention --tune`,
-# H100, bench/attention-tune-h100.json); 128-key blocks gain most at batch 1 (14B: 13.9 us against 17.2)
-SPLIT_CONFIG = {"model": (128, 4, 3), "fp8": (128, 4, 3)}
+# (keys an iteration reads, warps, pipeline stages) of the split kernel, per cache dtype, and for verify
+# steps (several tokens a row) where they differ: decode, the fastest or within 1% of it at 14B and
+# 1.5B, batch 1 and 16, 8k keys (`python -m server.bench.attention --tune`, H100,
+# bench/attention-tune-h100.json; 128-key blocks gain most at batch 1, 14B: 13.9 us against 17.2); an
+# FP8 verify of 4 tokens a row, the fastest at 14B batch 16, 8k keys (H100, 2026-12-07,
+# bench/gpu-fp8-verify-h100.json: 149.2 us against 195.1 with decode's; its 32-row tiles widen twice
+# the e4m3 keys' work of a decode's 16 rows a block, so half the keys a block)
+SPLIT_CONFIG = {"model": (128, 4, 3), "fp8": (128, 4, 3), "fp8_verify": (64, 4, 3)}
+
+
+def split_config(fp8: bool, tokens: int) -> tuple[int, int, int]:
+    """SPLIT_CONFIG's entry for a cache dtype and tokens a row (a verify's, where it has its own)."""
+    name = "fp8" if fp8 else "model"
+    return SPLIT_CONFIG.get(f"{name}_verify", SPLIT_CONFIG[name]) if tokens > 1 else SPLIT_CONFIG[name]
 # Programs per (row, KV head) at most: the combine kernel reads the chunks' partials one after another,
 # so past this many its serial pass costs more than the parallel reads save (H200,
 # bench/attention-h200.json: 1.5B shape, batch 1, 8k keys: 128 chunks of 64 keys 35 us, 32 of 256 16 us)
@@ -236,7 +246,7 @@ def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: 
     keys (up to its `pos`) are cut evenly among them, so a row far shorter than the bucket keeps them
     all busy. `programs` (default:
     PROGRAMS_PER_SM's for the cache dtype on CUDA) sets how finely the keys are split; `config` (keys
-    per iteration, warps, stages; default SPLIT_CONFIG's for the cache dtype) is for measuring others.
+    per iteration, warps, stages; default `split_config`'s) is for measuring others.
     With `out_scale`, the output comes as the FP8 e4m3 input of the o_proj GEMM that reads it,
     `quantize_e4m3(out, out_scale)`'s bytes without a launch of its own."""
     part_o, part_ml, splits, block_m = split_partials(q, k, v, rows, pos, ctx, scale, k_scale, v_scale, programs,
@@ -267,7 +277,7 @@ def split_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torc
     if k.stride(-1) != 1 or q.stride(-1) != 1 or pos.stride(1) != 1 or pos.stride(0) != t:
         raise ValueError("split_kv_attention: q and the caches need a contiguous head_dim, pos a contiguous [B, T]")
     fp8 = k_scale is not None
-    block_n, warps, stages = config or SPLIT_CONFIG["fp8" if fp8 else "model"]
+    block_n, warps, stages = config or split_config(fp8, t)
     if block_n < BLOCK_N or block_n & (block_n - 1):
         raise ValueError(f"split_kv_attention: keys per iteration {block_n} must be a power of two >= {BLOCK_N}")
     block_m = max(16, 1 << math.ceil(math.log2(t * g)))

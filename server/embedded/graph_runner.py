@@ -11,8 +11,8 @@ small model (gpt-fast's lesson):
   int8 weight-only with per-channel scales; FP8 where the linears share their input scale, each
   output channel keeping its module's weight scale: the activation is quantized once, exactly as
   each would quantize it).
-- **Decode attention without GQA expansion**, in one of three forms (`attention`; `auto` picks per step
-  shape from measurements, `attention_form`): `rows`, the `group` query heads of one KV head laid out
+- **Decode attention without GQA expansion**, in one of three forms (`attention`; `auto` is `split` on
+  CUDA, from measurements, and `rows` on a CPU): `rows`, the `group` query heads of one KV head laid out
   as `group` query rows of one SDPA over that head's keys (the CPU runner's logits bit for bit); `gqa`,
   SDPA's grouped-query form; `split`, the split-KV Triton kernel (decode_attention.py), which reads
   the cache in place, bf16 or FP8, and spreads long contexts over the whole GPU. An FP8 cache
@@ -50,11 +50,13 @@ FUSED_OPS_ENV = "EMBEDDED_FUSED_OPS"  # 0: eager elementwise ops on CUDA too, fo
 FP8_FUSE_ENV = "EMBEDDED_FP8_FUSE"  # 0: FP8 q/k/v and gate/up as separate GEMMs, for side-by-side measurements
 ATTENTION_ENV = "EMBEDDED_ATTENTION"  # rows|gqa|split: the decode attention's form, for side-by-side measurements
 ATTENTION_FORMS = ("auto", "rows", "gqa", "split")
-# `auto` on CUDA, from bench/attention-h200.json (one layer, CUDA-graph replays): the split-KV kernel for
-# verify steps (1+3 tokens at 8k keys: 27-64 us against SDPA's 169-180), for FP8 caches (only it reads
-# them) and for short contexts (512 keys: 6-8 us against SDPA gqa's 13); SDPA's grouped-query form for
-# single-token decode over longer contexts (8k keys, batch 1: 14-17 us against 19-35)
-AUTO_SPLIT_MAX_CONTEXT = 1024
+# `auto`: on CUDA the split-KV kernel for every step. It is the one form that reads an FP8 cache in place
+# and runs verify steps well (1+3 tokens at 8k keys: 27-64 us against SDPA's 169-180, H200,
+# bench/attention-h200.json), and the one that reads only a row's own keys: SDPA's forms read the whole
+# context bucket, so a row just past a power of two pays for twice its keys (H100, 14B, 8.4k keys in a
+# 16k bucket: batch 16 190 us against SDPA gqa's 357, batch 1 23 against 37,
+# bench/gpu-fp8-verify-h100.json). With the bucket full they are within 2% at batch 16 and split is
+# faster at batch 1 (H100, bench/attention-tune-h100.json). On a CPU, `rows` (the CPU runner's logits).
 
 MIN_CONTEXT_BUCKET = 256
 
@@ -228,8 +230,8 @@ class GraphRunner(BaseRunner):
                              f"{ATTENTION_ENV})")
         if attention == "split" and not cuda:
             raise ValueError(f"GraphRunner: attention 'split' is a CUDA kernel; on {self.device} use rows or gqa")
-        if attention == "auto" and not cuda:
-            attention = "rows"  # the CPU runner's logits bit for bit
+        if attention == "auto":
+            attention = "split" if cuda else "rows"  # see `auto` above
         self.attention = attention
         self.group = self.num_heads // self.num_kv_heads
         self.capacity = max_seq_len  # static: the scheduler never asks for more
@@ -260,13 +262,9 @@ class GraphRunner(BaseRunner):
         self._pool: Any = None
 
     def attention_form(self, tokens: int, ctx: int) -> str:
-        """The form a step of `tokens` tokens a row over `ctx` keys runs (`auto` decided per step shape,
-        so per captured graph)."""
-        if self.attention != "auto":
-            return self.attention
-        if self.kv_fp8 or tokens > 1 or ctx <= AUTO_SPLIT_MAX_CONTEXT:
-            return "split"
-        return "gqa"
+        """The form a step of `tokens` tokens a row over `ctx` keys runs (one for every step shape since
+        `auto` became `split` on CUDA; kept per shape, as each captured graph fixes its own)."""
+        return self.attention
 
     # ---- forward pieces
     def _rows_step(self, ids: torch.Tensor, pos: torch.Tensor, write_rows: torch.Tensor, ctx: int
