@@ -79,8 +79,8 @@ def _kernels():
     def split_kv(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, rows_ptr, pos_ptr, part_o, part_ml, sm_scale, stride_rb,
                  stride_qb, stride_qt, stride_qh, stride_cs, stride_ch, stride_cp, stride_ss, stride_sh,
                  NKV: tl.constexpr, T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, TRIPS: tl.constexpr, SPLITS: tl.constexpr, MIN_BLOCKS: tl.constexpr,
-                 FP8: tl.constexpr, RUNTIME_LOOP: tl.constexpr):
+                 BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, SPLITS: tl.constexpr, FP8: tl.constexpr,
+                 RUNTIME_LOOP: tl.constexpr):
         pid, split = tl.program_id(0), tl.program_id(1)
         b, h = pid // NKV, pid % NKV
         slot = tl.load(rows_ptr + b * stride_rb).to(tl.int64)
@@ -93,15 +93,14 @@ def _kernels():
                     + dd[None, :], mask=live[:, None], other=0.0)
         if FP8:  # e4m3 widens to fp16 in one instruction (to bf16 it takes several): the dots run in fp16
             q = q.to(tl.float16)
-        # This row's keys (the most any of its tokens sees) in whole blocks, dealt evenly over as many of
-        # its SPLITS programs as get MIN_BLOCKS each (the rest have none): the split follows the row's
-        # own length, not the context bucket the graph was captured for. No program gets more than
-        # TRIPS blocks: the bucket's CHUNK, or MIN_BLOCKS where more.
+        # This row's keys (the most any of its tokens sees) in whole blocks, dealt evenly over its SPLITS
+        # programs: the split follows the row's own length, not the context bucket the graph was
+        # captured for (a row just past a power of two would otherwise leave half its programs idle).
+        # No program gets more than CHUNK keys, the bucket's chunk.
         keys = tl.max(qpos, 0) + 1
         blocks = tl.cdiv(keys, BLOCK_N)
-        parts = tl.minimum(tl.cdiv(blocks, MIN_BLOCKS), SPLITS)
-        start = tl.minimum((split * blocks // parts) * BLOCK_N, keys)
-        end = tl.minimum(((split + 1) * blocks // parts) * BLOCK_N, keys)
+        start = (split * blocks // SPLITS) * BLOCK_N
+        end = tl.minimum(((split + 1) * blocks // SPLITS) * BLOCK_N, keys)
         m_i = tl.full((BLOCK_M,), -1.0e30, tl.float32)
         l_i = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, D), tl.float32)
@@ -109,9 +108,9 @@ def _kernels():
         v_base = v_ptr + slot * stride_cs + h * stride_ch
         # The loop body holds no branch, so the compiler can prefetch the next block's keys and values
         # while this one computes (loads under an `if` are not pipelined). On a GPU it runs to the
-        # chunk's last key; the interpreter needs a constant trip count (TRIPS), and blocks
+        # chunk's last key; the interpreter needs a constant trip count (the bucket's CHUNK), and blocks
         # past `end` are fully masked (no bytes read, probabilities 0).
-        for i in range(0, tl.cdiv(end - start, BLOCK_N) if RUNTIME_LOOP else TRIPS):
+        for i in range(0, tl.cdiv(end - start, BLOCK_N) if RUNTIME_LOOP else CHUNK // BLOCK_N):
             n = start + i * BLOCK_N + tl.arange(0, BLOCK_N)
             kmask = n < end
             kb = tl.load(k_base + n[:, None] * stride_cp + dd[None, :], mask=kmask[:, None], other=0.0)
@@ -206,10 +205,6 @@ def split_config(fp8: bool, tokens: int) -> tuple[int, int, int]:
 # so past this many its serial pass costs more than the parallel reads save (H200,
 # bench/attention-h200.json: 1.5B shape, batch 1, 8k keys: 128 chunks of 64 keys 35 us, 32 of 256 16 us)
 MAX_SPLITS = 32
-# Keys a split program reads at least, where a row has that many: programs of two or three blocks spend
-# their time starting up (H100, 14B batch 1, 8.4k keys in a 16k bucket: 32 programs of ~260 keys 23.2 us,
-# 17 of 512 20.8)
-MIN_PROGRAM_KEYS = 512
 
 
 def plan_splits(batch: int, kv_heads: int, ctx: int, programs: int, block_n: int = BLOCK_N) -> tuple[int, int]:
@@ -284,7 +279,6 @@ def split_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torc
     if programs is None:
         programs = _programs(q.device.index or 0, fp8) if q.is_cuda else 8
     chunk, splits = plan_splits(b, nkv, ctx, programs, block_n)
-    min_blocks = max(1, MIN_PROGRAM_KEYS // block_n)
     part_o = torch.empty((b * nkv * splits * block_m, d), dtype=torch.float32, device=q.device)
     part_ml = torch.empty((b * nkv * splits * block_m, 2), dtype=torch.float32, device=q.device)
     ks = k_scale if fp8 else part_ml  # an unused pointer when the cache is not FP8
@@ -293,8 +287,7 @@ def split_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torc
         q, k, v, ks, vs, rows, pos, part_o, part_ml, scale, rows.stride(0),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         ks.stride(0) if fp8 else 0, ks.stride(1) if fp8 else 0,
-        NKV=nkv, T=t, G=g, D=d, BLOCK_M=block_m, BLOCK_N=block_n, TRIPS=max(chunk // block_n, min_blocks),
-        SPLITS=splits, MIN_BLOCKS=min_blocks, FP8=fp8,
+        NKV=nkv, T=t, G=g, D=d, BLOCK_M=block_m, BLOCK_N=block_n, CHUNK=chunk, SPLITS=splits, FP8=fp8,
         RUNTIME_LOOP=not interpreted(), num_warps=warps, num_stages=stages)
     return part_o, part_ml, splits, block_m
 
