@@ -201,6 +201,8 @@ def split_config(fp8: bool, tokens: int) -> tuple[int, int, int]:
     """SPLIT_CONFIG's entry for a cache dtype and tokens a row (a verify's, where it has its own)."""
     name = "fp8" if fp8 else "model"
     return SPLIT_CONFIG.get(f"{name}_verify", SPLIT_CONFIG[name]) if tokens > 1 else SPLIT_CONFIG[name]
+
+
 # Programs per (row, KV head) at most: the combine kernel reads the chunks' partials one after another,
 # so past this many its serial pass costs more than the parallel reads save (H200,
 # bench/attention-h200.json: 1.5B shape, batch 1, 8k keys: 128 chunks of 64 keys 35 us, 32 of 256 16 us)
@@ -237,11 +239,10 @@ def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: 
                        config: Optional[tuple[int, int, int]] = None, out_scale: Optional[torch.Tensor] = None
                        ) -> torch.Tensor:
     """`reference_attention`'s contract, as two Triton launches. `ctx` bounds the keys read (the CUDA
-    graph's context bucket) and, with `programs`, sets how many programs a row gets; each row's own
-    keys (up to its `pos`) are cut evenly among them, so a row far shorter than the bucket keeps them
-    all busy. `programs` (default:
-    PROGRAMS_PER_SM's for the cache dtype on CUDA) sets how finely the keys are split; `config` (keys
-    per iteration, warps, stages; default `split_config`'s) is for measuring others.
+    graph's context bucket) and, with `programs` (default: PROGRAMS_PER_SM's for the cache dtype on
+    CUDA), how many programs a row gets; each row's own keys (up to its `pos`) are dealt evenly among
+    them, so a row far shorter than the bucket keeps them all busy. `config` (keys per iteration,
+    warps, stages; default `split_config`'s) is for measuring others.
     With `out_scale`, the output comes as the FP8 e4m3 input of the o_proj GEMM that reads it,
     `quantize_e4m3(out, out_scale)`'s bytes without a launch of its own."""
     part_o, part_ml, splits, block_m = split_partials(q, k, v, rows, pos, ctx, scale, k_scale, v_scale, programs,
