@@ -162,26 +162,29 @@ def agreement(model: Any, vocab: int, context: int, steps: int = 32, b: int = 4)
 
 
 def engine_decode(engine: Any, vocab: int, b: int, context: int, short: int, long: int) -> dict[str, float]:
-    """Decode tok/s of the whole engine: b requests admitted together (prefilled in one scheduler
-    iteration), timed from the moment every one has its first token to the moment all have ended."""
+    """Decode tok/s of the whole engine at batch b: b requests admitted together, timed from the moment
+    every one has its first token to the moment the first one ends, so every step in the window runs
+    the full batch (a request that started a step late finishes a step late, alone). Tokens are
+    counted from each delta's token ids (a delta may carry several when the stream coalesces)."""
     from aimo_spec.protocol import Delta, Request, SamplingParams
 
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, vocab, (context,), generator=gen).tolist() for _ in range(b)]
 
-    async def one(p: list[int], n: int, firsts: list[float]) -> float:
+    async def one(p: list[int], n: int, deltas: list[tuple[float, int]]) -> float:
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
         async for ev in engine.generate(Request(p, params)):
             if isinstance(ev, Delta) and ev.token_ids:
-                firsts.append(time.perf_counter())
+                deltas.append((time.perf_counter(), len(ev.token_ids)))
         return time.perf_counter()
 
     async def run(n: int) -> float:
-        stamps: list[list[float]] = [[] for _ in prompts]
+        stamps: list[list[tuple[float, int]]] = [[] for _ in prompts]
         ends = await asyncio.gather(*(one(p, n, stamps[i]) for i, p in enumerate(prompts)))
-        start = max(s[0] for s in stamps)  # every request is decoding from here on
-        tokens = sum(sum(1 for t in s if t > start) for s in stamps)
-        return tokens / max(1e-9, max(ends) - start)
+        start = max(s[0][0] for s in stamps)  # every request is decoding from here on
+        end = min(s[-1][0] for s in stamps)  # ... until the first one's last token
+        tokens = sum(k for s in stamps for t, k in s if start < t <= end)
+        return tokens / max(1e-9, end - start) if end > start else tokens / max(1e-9, max(ends) - start)
 
     asyncio.run(run(4))  # warm-up: graphs for this batch and context captured
     # every run prefills b x context tokens again: at long contexts that, not the decode, takes the time
