@@ -14,6 +14,24 @@ import torch.nn.functional as F
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
+# torch's CPU int8-weight GEMM (`_weight_int8pack_mm`, torch 2.13) reads its operands with aligned
+# vector loads: a weight, scale or activation that does not start on a 64-byte boundary crashes the
+# process (SIGSEGV). Tensors read from a safetensors file start wherever its header puts them, and an
+# activation sliced from a larger one (the last position of a prefill) where the slice begins.
+CPU_GEMM_ALIGNMENT = 64
+
+
+def cpu_aligned(t: torch.Tensor) -> torch.Tensor:
+    """`t` itself where it is contiguous and starts on a CPU_GEMM_ALIGNMENT boundary, else a copy that
+    does (the CPU allocator aligns every allocation to 64 bytes)."""
+    if t.is_contiguous() and t.data_ptr() % CPU_GEMM_ALIGNMENT == 0:
+        return t
+    out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    if out.data_ptr() % CPU_GEMM_ALIGNMENT:
+        raise RuntimeError(f"cpu_aligned: the allocator gave a {CPU_GEMM_ALIGNMENT}-byte misaligned tensor")
+    return out.copy_(t)
+
+
 class Int8WeightOnlyLinear(torch.nn.Module):
     """W8A16: int8 weights with a per-output-channel scale, activations in bf16/fp16.
 
@@ -31,8 +49,9 @@ class Int8WeightOnlyLinear(torch.nn.Module):
         if scale.numel() != weight.shape[0]:
             raise ValueError(f"weight_scale has {scale.numel()} values for {weight.shape[0]} output channels")
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        self.register_buffer("weight", weight.contiguous())
-        self.register_buffer("scale", scale.to(dtype).contiguous())
+        cpu = weight.device.type == "cpu"
+        self.register_buffer("weight", cpu_aligned(weight) if cpu else weight.contiguous())
+        self.register_buffer("scale", cpu_aligned(scale.to(dtype)) if cpu else scale.to(dtype).contiguous())
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
         self._fused = hasattr(torch, "_weight_int8pack_mm")
 
@@ -43,8 +62,8 @@ class Int8WeightOnlyLinear(torch.nn.Module):
             from server.embedded.gpu_kernels import w8a16_linear
 
             return w8a16_linear(x2, self.weight, self.scale, self.bias).reshape(*shape, self.out_features).to(x.dtype)
-        if self._fused and x2.device.type == "cpu":
-            y = torch._weight_int8pack_mm(x2, self.weight, self.scale)
+        if self._fused and x2.device.type == "cpu":  # every operand 64-byte aligned (CPU_GEMM_ALIGNMENT)
+            y = torch._weight_int8pack_mm(cpu_aligned(x2), cpu_aligned(self.weight), cpu_aligned(self.scale))
         else:
             y = F.linear(x2, self.weight.to(x2.dtype)) * self.scale
         if self.bias is not None:
