@@ -122,3 +122,28 @@ def test_the_build_command_takes_the_lock(tmp_path, monkeypatch):
         path, check_paths=False))
     assert cli.main(["merge", "--recipe", str(recipe)]) == 0
     assert taken == [tmp_path / "lk"]
+
+
+def test_stage_dir_removes_scratch_that_dead_runs_left_and_keeps_live_ones(tmp_path):
+    """A stage killed by a signal (segfault, OOM killer) leaves its scratch folder; the next run removes
+    it, keeps a running build's, and puts back an output set aside between the two renames."""
+    import os
+    import subprocess
+    import sys
+
+    from trtbuild.manifest import stage_dir
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)  # ended and reaped: no process has this pid now (barring reuse)
+    final = tmp_path / "quantize"
+    stale = tmp_path / f".quantize.partial-{dead_pid}"
+    live = tmp_path / f".quantize.partial-{os.getppid()}"
+    set_aside = tmp_path / f".quantize.old-{dead_pid}"
+    for d in (stale, live, set_aside):
+        d.mkdir()
+    (set_aside / "model.bin").write_text("the last good output")
+    with stage_dir(final) as tmp:
+        assert not stale.exists() and live.exists()
+        assert (final / "model.bin").read_text() == "the last good output" and not set_aside.exists()
+        (tmp / "model.bin").write_text("new")
+    assert (final / "model.bin").read_text() == "new" and live.exists()

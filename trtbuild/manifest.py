@@ -173,10 +173,42 @@ def touch(folder: Path) -> None:
     (folder / MANIFEST).touch()
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def sweep_stale(final: Path) -> list[Path]:
+    """Remove the scratch folders of `final` that a stage killed by a signal left (a segfault or the OOM
+    killer runs no cleanup; a 14B export's scratch is ~15 GB a try): those named for a process that
+    no longer runs. A concurrent build's are kept; a previous output set aside (`.old-`) when `final`
+    is missing (killed between stage_dir's two renames) is put back. Returns what was removed."""
+    removed = []
+    for kind in ("partial", "old"):
+        for path in sorted(final.parent.glob(f".{final.name}.{kind}-*")):
+            pid = path.name.rpartition("-")[2]
+            if not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
+                continue
+            if kind == "old" and not final.exists():  # killed between its two renames: the last good output
+                path.rename(final)
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
 @contextlib.contextmanager
 def stage_dir(final: Path) -> Iterator[Path]:
-    """Yield a scratch folder that replaces `final` only if the block succeeds."""
+    """Yield a scratch folder that replaces `final` only if the block succeeds (scratch folders that
+    dead runs left beside it are removed first, `sweep_stale`)."""
     final.parent.mkdir(parents=True, exist_ok=True)
+    for path in sweep_stale(final):
+        log("manifest", f"removed {path.name}, left by a run that ended without cleaning up")
     tmp = final.parent / f".{final.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
