@@ -85,8 +85,7 @@ def test_the_split_kernel_is_cuda_only_in_the_graph_runner(tiny_models):
     assert GraphRunner(model, 2, 32, kv_cache_dtype="fp8").attention == "rows"  # the CPU reads it dequantized
     runner = GraphRunner(model, 2, 32)  # auto: the split kernel on CUDA (every step shape), rows on a CPU
     want = "split" if torch.cuda.is_available() else "rows"
-    assert runner.attention == want
-    assert [runner.attention_form(t, ctx) for t, ctx in ((1, 512), (1, 8192), (4, 8192))] == [want] * 3
+    assert runner.attention == want  # one form for every step shape (decode, verify, any context)
 
 
 def test_the_engine_serves_with_an_fp8_cache(tiny_models):

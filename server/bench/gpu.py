@@ -183,8 +183,10 @@ def engine_decode(engine: Any, vocab: int, b: int, context: int, short: int, lon
         ends = await asyncio.gather(*(one(p, n, stamps[i]) for i, p in enumerate(prompts)))
         start = max(s[0][0] for s in stamps)  # every request is decoding from here on
         end = min(s[-1][0] for s in stamps)  # ... until the first one's last token
+        if end <= start:  # one request ended before the last began: no full-batch window, take the whole run
+            end = max(ends)
         tokens = sum(k for s in stamps for t, k in s if start < t <= end)
-        return tokens / max(1e-9, end - start) if end > start else tokens / max(1e-9, max(ends) - start)
+        return tokens / max(1e-9, end - start)
 
     asyncio.run(run(4))  # warm-up: graphs for this batch and context captured
     # every run prefills b x context tokens again: at long contexts that, not the decode, takes the time
@@ -249,7 +251,7 @@ def measure(shape: str, fmt: str, batches: list[int], contexts: list[int], dev: 
                 bytes_step = wbytes + b * (context + steps // 2) * kv_bytes[kv]
                 bound = b / (bytes_step / bandwidth)
                 kv_rows.append({"shape": shape, "format": fmt, "kv_cache": kv,
-                                "attention": runner.attention_form(1, context),
+                                "attention": runner.attention,
                                 "batch": b, "context": context, "compile": compile,
                                 "runner_tok_s": round(b / step, 1), "runner_step_ms": round(step * 1e3, 3),
                                 "verify_1_plus_3_ms": round(verify * 1e3, 3),

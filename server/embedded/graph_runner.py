@@ -216,7 +216,7 @@ class GraphRunner(BaseRunner):
                  compile: bool = False, fuse: Optional[bool] = None, attention: Optional[str] = None,
                  kv_cache_dtype: str = "auto", fused_ops: Optional[bool] = None):
         """`attention`: the decode/verify attention's form (module docstring): rows, gqa, split, or auto
-        (the default): on CUDA the faster measured form for each step shape (`attention_form`), on a
+        (the default): on CUDA the measured faster form, `split` (see `auto` above), on a
         CPU rows. EMBEDDED_ATTENTION overrides it (for side-by-side measurements). `fused_ops`: the
         fused elementwise kernels in decode and verify steps (default: on CUDA, where no layer is
         compiled; EMBEDDED_FUSED_OPS=0 turns them off); on a CPU only under Triton's interpreter."""
@@ -261,11 +261,6 @@ class GraphRunner(BaseRunner):
         self._graphs: dict[tuple[int, int, int, bool], tuple[Any, dict[str, torch.Tensor]]] = {}
         self._pool: Any = None
 
-    def attention_form(self, tokens: int, ctx: int) -> str:
-        """The form a step of `tokens` tokens a row over `ctx` keys runs (one for every step shape since
-        `auto` became `split` on CUDA; kept per shape, as each captured graph fixes its own)."""
-        return self.attention
-
     # ---- forward pieces
     def _rows_step(self, ids: torch.Tensor, pos: torch.Tensor, write_rows: torch.Tensor, ctx: int
                    ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -277,7 +272,7 @@ class GraphRunner(BaseRunner):
         if not fused:  # the fused kernel reads the tables at each token's position itself
             cos, sin = self.cos[pos.reshape(-1)], self.sin[pos.reshape(-1)]
         g, nq, nkv, d = self.group, self.num_heads, self.num_kv_heads, self.head_dim
-        form, cuda = self.attention_form(t, ctx), ids.is_cuda
+        form, cuda = self.attention, ids.is_cuda
         mask = None
         if form != "split":  # the kernel masks by pos itself
             mask = (torch.arange(ctx, device=ids.device).view(1, 1, ctx) <= pos.unsqueeze(-1))  # [B, T, ctx]

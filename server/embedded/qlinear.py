@@ -23,7 +23,9 @@ CPU_GEMM_ALIGNMENT = 64
 
 def cpu_aligned(t: torch.Tensor) -> torch.Tensor:
     """`t` itself where it is contiguous and starts on a CPU_GEMM_ALIGNMENT boundary, else a copy that
-    does (the CPU allocator aligns every allocation to 64 bytes)."""
+    does (the CPU allocator aligns every allocation to 64 bytes); off the CPU, `t.contiguous()`."""
+    if t.device.type != "cpu":
+        return t.contiguous()
     if t.is_contiguous() and t.data_ptr() % CPU_GEMM_ALIGNMENT == 0:
         return t
     out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
@@ -49,9 +51,8 @@ class Int8WeightOnlyLinear(torch.nn.Module):
         if scale.numel() != weight.shape[0]:
             raise ValueError(f"weight_scale has {scale.numel()} values for {weight.shape[0]} output channels")
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        cpu = weight.device.type == "cpu"
-        self.register_buffer("weight", cpu_aligned(weight) if cpu else weight.contiguous())
-        self.register_buffer("scale", cpu_aligned(scale.to(dtype)) if cpu else scale.to(dtype).contiguous())
+        self.register_buffer("weight", cpu_aligned(weight))
+        self.register_buffer("scale", cpu_aligned(scale.to(dtype)))
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
         self._fused = hasattr(torch, "_weight_int8pack_mm")
 
