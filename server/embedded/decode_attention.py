@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from typing import Optional
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -80,7 +80,7 @@ def _kernels():
                  stride_qb, stride_qt, stride_qh, stride_cs, stride_ch, stride_cp, stride_ss, stride_sh,
                  NKV: tl.constexpr, T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, SPLITS: tl.constexpr, FP8: tl.constexpr,
-                 RUNTIME_LOOP: tl.constexpr):
+                 KEYS_MAJOR: tl.constexpr, RUNTIME_LOOP: tl.constexpr):
         pid, split = tl.program_id(0), tl.program_id(1)
         b, h = pid // NKV, pid % NKV
         slot = tl.load(rows_ptr + b * stride_rb).to(tl.int64)
@@ -101,11 +101,19 @@ def _kernels():
         blocks = tl.cdiv(keys, BLOCK_N)
         start = (split * blocks // SPLITS) * BLOCK_N
         end = tl.minimum(((split + 1) * blocks // SPLITS) * BLOCK_N, keys)
-        m_i = tl.full((BLOCK_M,), -1.0e30, tl.float32)
+        m_i = tl.full((BLOCK_M,), -1.0e30, tl.float32)  # running max and sum, in base 2
         l_i = tl.zeros((BLOCK_M,), tl.float32)
-        acc = tl.zeros((BLOCK_M, D), tl.float32)
+        if KEYS_MAJOR:  # the keys are the dots' M (BLOCK_N rows), the query rows their N: acc is [D, BLOCK_M]
+            acc = tl.zeros((D, BLOCK_M), tl.float32)
+            qt = tl.trans(q)
+        else:
+            acc = tl.zeros((BLOCK_M, D), tl.float32)
         k_base = k_ptr + slot * stride_cs + h * stride_ch
         v_base = v_ptr + slot * stride_cs + h * stride_ch
+        s_base = slot * stride_ss + h * stride_sh
+        # scores in base 2: sm_scale * log2(e) folds into the key scales (one multiply a key, not a score)
+        # and the exponentials are exp2, the GPU's native one
+        qk_scale = sm_scale * 1.4426950408889634
         # The loop body holds no branch, so the compiler can prefetch the next block's keys and values
         # while this one computes (loads under an `if` are not pipelined). On a GPU it runs to the
         # chunk's last key; the interpreter needs a constant trip count (the bucket's CHUNK), and blocks
@@ -115,23 +123,50 @@ def _kernels():
             kmask = n < end
             kb = tl.load(k_base + n[:, None] * stride_cp + dd[None, :], mask=kmask[:, None], other=0.0)
             vb = tl.load(v_base + n[:, None] * stride_cp + dd[None, :], mask=kmask[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(kb.to(q.dtype))) * sm_scale
             if FP8:
-                s = s * tl.load(ks_ptr + slot * stride_ss + h * stride_sh + n, mask=kmask, other=0.0)[None, :]
-            seen = n[None, :] <= qpos[:, None]
-            if not RUNTIME_LOOP:  # the constant trip count runs on into the next chunk's keys
-                seen = seen & kmask[None, :]
-            s = tl.where(seen, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if FP8:
-                p = p * tl.load(vs_ptr + slot * stride_ss + h * stride_sh + n, mask=kmask, other=0.0)[None, :]
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), vb.to(q.dtype))
+                key_scale = tl.load(ks_ptr + s_base + n, mask=kmask, other=0.0) * qk_scale
+            else:
+                key_scale = qk_scale
+            if KEYS_MAJOR:
+                s = tl.dot(kb.to(q.dtype), qt)
+                if FP8:
+                    s = s * key_scale[:, None]
+                else:
+                    s = s * key_scale
+                seen = n[:, None] <= qpos[None, :]
+                if not RUNTIME_LOOP:  # the constant trip count runs on into the next chunk's keys
+                    seen = seen & kmask[:, None]
+                s = tl.where(seen, s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 0))
+                alpha = tl.math.exp2(m_i - m_new)
+                p = tl.math.exp2(s - m_new[None, :])
+                l_i = l_i * alpha + tl.sum(p, 0)
+                if FP8:
+                    p = p * tl.load(vs_ptr + s_base + n, mask=kmask, other=0.0)[:, None]
+                acc = acc * alpha[None, :] + tl.dot(tl.trans(vb.to(q.dtype)), p.to(q.dtype))
+            else:
+                s = tl.dot(q, tl.trans(kb.to(q.dtype)))
+                if FP8:
+                    s = s * key_scale[None, :]
+                else:
+                    s = s * key_scale
+                seen = n[None, :] <= qpos[:, None]
+                if not RUNTIME_LOOP:
+                    seen = seen & kmask[None, :]
+                s = tl.where(seen, s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                alpha = tl.math.exp2(m_i - m_new)
+                p = tl.math.exp2(s - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                if FP8:
+                    p = p * tl.load(vs_ptr + s_base + n, mask=kmask, other=0.0)[None, :]
+                acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), vb.to(q.dtype))
             m_i = m_new
         base = (pid * SPLITS + split) * BLOCK_M
-        tl.store(part_o + (base + r)[:, None] * D + dd[None, :], acc)
+        if KEYS_MAJOR:
+            tl.store(part_o + (base + r)[None, :] * D + dd[:, None], acc)
+        else:
+            tl.store(part_o + (base + r)[:, None] * D + dd[None, :], acc)
         tl.store(part_ml + (base + r) * 2, m_i)
         tl.store(part_ml + (base + r) * 2 + 1, l_i)
 
@@ -150,7 +185,7 @@ def _kernels():
         acc = tl.zeros((BLOCK_M, D), tl.float32)
         for s in range(SPLITS):
             base = (pid * SPLITS + s) * BLOCK_M
-            w = tl.exp(tl.load(part_ml + (base + r) * 2) - m)
+            w = tl.math.exp2(tl.load(part_ml + (base + r) * 2) - m)
             total += tl.load(part_ml + (base + r) * 2 + 1) * w
             acc += tl.load(part_o + (base + r)[:, None] * D + dd[None, :]) * w[:, None]
         tok, grp = r // G, r % G
@@ -187,17 +222,30 @@ def _kernels():
 
 
 BLOCK_N = 64  # keys a loop iteration reads (the smallest a launch configuration may use)
-# (keys an iteration reads, warps, pipeline stages) of the split kernel, per cache dtype, and for verify
-# steps (several tokens a row) where they differ: decode, the fastest or within 1% of it at 14B and
-# 1.5B, batch 1 and 16, 8k keys (`python -m server.bench.attention --tune`, H100,
-# bench/attention-tune-h100.json; 128-key blocks gain most at batch 1, 14B: 13.9 us against 17.2); an
-# FP8 verify of 4 tokens a row, the fastest at 14B batch 16, 8k keys (H100, 2026-12-07,
-# bench/gpu-fp8-verify-h100.json: 149.2 us against 195.1 with decode's; its 32-row tiles widen twice
-# the e4m3 keys' work of a decode's 16 rows a block, so half the keys a block)
-SPLIT_CONFIG = {"model": (128, 4, 3), "fp8": (128, 4, 3), "fp8_verify": (64, 4, 3)}
 
 
-def split_config(fp8: bool, tokens: int) -> tuple[int, int, int]:
+class SplitConfig(NamedTuple):
+    """A launch configuration of the split kernel. `keys_major` swaps the dots' operands: the keys of a
+    block are the matrix multiply's M and the query rows its N. A tile of a few query rows (16 for a
+    decode, 32 for a 4-token verify at 14B) is then a narrow N rather than an M below the 64 rows a
+    Hopper warpgroup multiply takes, and the softmax reduces over the tile's other axis."""
+
+    block_n: int  # keys a loop iteration reads
+    warps: int
+    stages: int  # software pipeline depth
+    keys_major: bool = False
+
+
+# The split kernel's configuration per cache dtype, and for verify steps (several tokens a row) where it
+# differs: decode, the fastest or within 1% of it at 14B and 1.5B, batch 1 and 16, 8k keys (`python -m
+# server.bench.attention --tune`, H100, bench/attention-tune-h100.json; 128-key blocks gain most at batch
+# 1, 14B: 13.9 us against 17.2); an FP8 verify of 4 tokens a row, the fastest at 14B batch 16, 8k keys
+# (H100, 2026-12-07, bench/gpu-fp8-verify-h100.json: 149.2 us against 195.1 with decode's; its 32-row
+# tiles widen twice the e4m3 keys' work of a decode's 16 rows a block, so half the keys a block)
+SPLIT_CONFIG = {"model": SplitConfig(128, 4, 3), "fp8": SplitConfig(128, 4, 3), "fp8_verify": SplitConfig(64, 4, 3)}
+
+
+def split_config(fp8: bool, tokens: int) -> SplitConfig:
     """SPLIT_CONFIG's entry for a cache dtype and tokens a row (a verify's, where it has its own)."""
     name = "fp8" if fp8 else "model"
     return SPLIT_CONFIG.get(f"{name}_verify", SPLIT_CONFIG[name]) if tokens > 1 else SPLIT_CONFIG[name]
@@ -236,13 +284,13 @@ def _programs(device: int, fp8: bool) -> int:
 def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor,
                        ctx: int, scale: float, k_scale: Optional[torch.Tensor] = None,
                        v_scale: Optional[torch.Tensor] = None, programs: Optional[int] = None,
-                       config: Optional[tuple[int, int, int]] = None, out_scale: Optional[torch.Tensor] = None
+                       config: Optional[Sequence] = None, out_scale: Optional[torch.Tensor] = None
                        ) -> torch.Tensor:
     """`reference_attention`'s contract, as two Triton launches. `ctx` bounds the keys read (the CUDA
     graph's context bucket) and, with `programs` (default: PROGRAMS_PER_SM's for the cache dtype on
     CUDA), how many programs a row gets; each row's own keys (up to its `pos`) are dealt evenly among
-    them, so a row far shorter than the bucket keeps them all busy. `config` (keys per iteration,
-    warps, stages; default `split_config`'s) is for measuring others.
+    them, so a row far shorter than the bucket keeps them all busy. `config` (a `SplitConfig` or its
+    fields as a tuple; default `split_config`'s) is for measuring others.
     With `out_scale`, the output comes as the FP8 e4m3 input of the o_proj GEMM that reads it,
     `quantize_e4m3(out, out_scale)`'s bytes without a launch of its own."""
     part_o, part_ml, splits, block_m = split_partials(q, k, v, rows, pos, ctx, scale, k_scale, v_scale, programs,
@@ -260,7 +308,7 @@ def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: 
 def split_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor,
                    ctx: int, scale: float, k_scale: Optional[torch.Tensor] = None,
                    v_scale: Optional[torch.Tensor] = None, programs: Optional[int] = None,
-                   config: Optional[tuple[int, int, int]] = None
+                   config: Optional[Sequence] = None
                    ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """The split kernel's launch (split_kv_attention's first half): (partial outputs [B*nkv*splits*block_m,
     d], their running max and sum [.., 2], splits, block_m), the rows of program (b, kv head, split) at
@@ -273,7 +321,7 @@ def split_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torc
     if k.stride(-1) != 1 or q.stride(-1) != 1 or pos.stride(1) != 1 or pos.stride(0) != t:
         raise ValueError("split_kv_attention: q and the caches need a contiguous head_dim, pos a contiguous [B, T]")
     fp8 = k_scale is not None
-    block_n, warps, stages = config or split_config(fp8, t)
+    block_n, warps, stages, keys_major = SplitConfig(*config) if config else split_config(fp8, t)
     if block_n < BLOCK_N or block_n & (block_n - 1):
         raise ValueError(f"split_kv_attention: keys per iteration {block_n} must be a power of two >= {BLOCK_N}")
     block_m = max(16, 1 << math.ceil(math.log2(t * g)))
@@ -289,7 +337,7 @@ def split_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torc
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         ks.stride(0) if fp8 else 0, ks.stride(1) if fp8 else 0,
         NKV=nkv, T=t, G=g, D=d, BLOCK_M=block_m, BLOCK_N=block_n, CHUNK=chunk, SPLITS=splits, FP8=fp8,
-        RUNTIME_LOOP=not interpreted(), num_warps=warps, num_stages=stages)
+        KEYS_MAJOR=bool(keys_major), RUNTIME_LOOP=not interpreted(), num_warps=warps, num_stages=stages)
     return part_o, part_ml, splits, block_m
 
 
