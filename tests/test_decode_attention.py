@@ -78,18 +78,16 @@ CASES = [  # b, t, nq, nkv, d, slots, positions, ctx, fp8, programs
 
 
 @pytest.mark.skipif(not (CUDA or HAS_TRITON), reason="needs CUDA or Triton's interpreter")
-@pytest.mark.parametrize("keys_major", [False, True])
 @pytest.mark.parametrize("case", CASES)
-def test_split_kv_attention_matches_the_reference(case, keys_major):
+def test_split_kv_attention_matches_the_reference(case):
     b, t, nq, nkv, d, slots, positions, ctx, fp8, programs = case
-    from server.embedded.decode_attention import split_config, split_kv_attention
+    from server.embedded.decode_attention import split_kv_attention
 
     dtype, device = (torch.bfloat16, "cuda") if CUDA else (torch.float16, "cpu")
     q, k, v, rows, pos, ks, vs = _case(b, t, nq, nkv, d, slots, positions, ctx, fp8, dtype, device, programs)
     ref = reference_attention(q.float(), dequantize_kv(k, ks, torch.float32), dequantize_kv(v, vs, torch.float32),
                               rows, pos, ctx, d ** -0.5)
-    config = split_config(fp8, t)._replace(keys_major=keys_major)
-    out = split_kv_attention(q, k, v, rows, pos, ctx, d ** -0.5, ks, vs, programs=programs, config=config)
+    out = split_kv_attention(q, k, v, rows, pos, ctx, d ** -0.5, ks, vs, programs=programs)
     assert out.shape == q.shape and out.dtype == q.dtype
     tol = 2e-2 if dtype == torch.bfloat16 else 3e-3
     assert (out.float() - ref).abs().max().item() < tol
@@ -98,15 +96,14 @@ def test_split_kv_attention_matches_the_reference(case, keys_major):
 @pytest.mark.skipif(not (CUDA or HAS_TRITON), reason="needs CUDA or Triton's interpreter")
 @pytest.mark.parametrize("fp8", [False, True])
 def test_split_kv_attention_launch_configurations_give_the_same_result(fp8):
-    """Wider key blocks (the chunk then a multiple of them), other warp/stage counts and the keys-major
-    form (keys as the dots' M): the same numbers."""
+    """Wider key blocks (the chunk then a multiple of them) and other warp/stage counts: the same numbers."""
     from server.embedded.decode_attention import split_kv_attention
 
     dtype, device = (torch.bfloat16, "cuda") if CUDA else (torch.float16, "cpu")
     q, k, v, rows, pos, ks, vs = _case(2, 2, 8, 2, 32, 3, 700, 700, fp8, dtype, device, 8)
     ref = reference_attention(q.float(), dequantize_kv(k, ks, torch.float32), dequantize_kv(v, vs, torch.float32),
                               rows, pos, 700, 32 ** -0.5)
-    for config in [(64, 4, 3), (128, 8, 2), (256, 4, 1), (64, 4, 3, True), (128, 8, 2, True)]:
+    for config in [(64, 4, 3), (128, 8, 2), (256, 4, 1)]:
         out = split_kv_attention(q, k, v, rows, pos, 700, 32 ** -0.5, ks, vs, programs=8, config=config)
         assert (out.float() - ref).abs().max().item() < (2e-2 if dtype == torch.bfloat16 else 3e-3), config
     with pytest.raises(ValueError, match="power of two"):

@@ -7,10 +7,9 @@ One layer's attention over the static slot cache, at each shape's head counts, f
 whose keys fill the context (the CUDA graph's bucket; `--fill` of it, as rows past a power of two
 do): SDPA with the group's query heads as query rows (`rows`), SDPA's grouped-query form (`gqa`),
 the split-KV Triton kernel over a bf16 cache (`split`) and over an FP8 cache with per-vector scales
-(`split_fp8`), and both with the dots' operands swapped from their configuration (`*_swapped`). Each
-is timed as a CUDA-graph replay of 20 calls (median of 5), as the engine runs it; the bound is the
-cache bytes the call must read over the measured copy bandwidth. Each form's output is checked
-against `reference_attention` first.
+(`split_fp8`). Each is timed as a CUDA-graph replay of 20 calls
+(median of 5), as the engine runs it; the bound is the cache bytes the call must read over the
+measured copy bandwidth. Each form's output is checked against `reference_attention` first.
 """
 
 from __future__ import annotations
@@ -55,13 +54,11 @@ def time_graph(fn: Callable[[], object]) -> float:
 def forms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kq: torch.Tensor, vq: torch.Tensor, ks: torch.Tensor,
           vs: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, ctx: int, scale: float
           ) -> dict[str, Callable[[], torch.Tensor]]:
-    from server.embedded.decode_attention import split_config, split_kv_attention
+    from server.embedded.decode_attention import split_kv_attention
 
     b, t, nq, d = q.shape
     nkv = k.shape[1]
     g = nq // nkv
-    swapped = {fp8: split_config(fp8, t)._replace(keys_major=not split_config(fp8, t).keys_major)
-               for fp8 in (False, True)}
     mask = (torch.arange(ctx, device=q.device).view(1, 1, ctx) <= pos.unsqueeze(-1))  # [B, T, ctx]
     gqa_mask, rows_mask = mask.unsqueeze(1), mask.repeat_interleave(g, 1).unsqueeze(1)
 
@@ -77,17 +74,13 @@ def forms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kq: torch.Tensor, v
 
     return {"rows": by_rows, "gqa": gqa,
             "split": lambda: split_kv_attention(q, k, v, rows, pos, ctx, scale),
-            "split_fp8": lambda: split_kv_attention(q, kq, vq, rows, pos, ctx, scale, ks, vs),
-            # the same kernels with the dots' operands the other way round (SplitConfig.keys_major)
-            "split_swapped": lambda: split_kv_attention(q, k, v, rows, pos, ctx, scale, config=swapped[False]),
-            "split_fp8_swapped": lambda: split_kv_attention(q, kq, vq, rows, pos, ctx, scale, ks, vs,
-                                                            config=swapped[True])}
+            "split_fp8": lambda: split_kv_attention(q, kq, vq, rows, pos, ctx, scale, ks, vs)}
 
 
 # an FP8 cache moves half the bytes an iteration for the same softmax work, so its best may want longer
 # iterations, deeper pipelines or more resident programs than bf16's (those the shared memory refuses
 # fail to compile and are skipped)
-TUNE_CONFIGS = [(bn, w, st, km) for bn in (64, 128, 256) for w in (4, 8) for st in (2, 3, 4) for km in (False, True)]
+TUNE_CONFIGS = [(bn, w, st) for bn in (64, 128, 256) for w in (4, 8) for st in (2, 3, 4)]
 PROGRAMS_PER_SM = (1, 2, 3, 4)
 
 
@@ -95,7 +88,7 @@ def tune_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kq: torch.Tens
                ks: torch.Tensor, vs: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, ctx: int, scale: float,
                ref: torch.Tensor, caches: tuple[str, ...] = ("split", "split_fp8"),
                per_sms: tuple[int, ...] = PROGRAMS_PER_SM) -> dict[str, list]:
-    """The split kernel's time per (keys an iteration, warps, stages, keys major, programs a multiprocessor), over
+    """The split kernel's time per (keys an iteration, warps, stages, programs a multiprocessor), over
     the bf16 (`split`) and FP8 (`split_fp8`) caches named in `caches`, fastest first (the three best of
     each); a configuration that fails or is wrong is skipped."""
     from server.embedded.decode_attention import split_kv_attention
@@ -117,7 +110,7 @@ def tune_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kq: torch.Tens
                     timed.append((round(time_graph(fn), 1), *config, per_sm))
                 except Exception as e:  # noqa: BLE001 - e.g. shared memory exceeded: not a candidate
                     print(f"[bench.attention] {name} {config} x{per_sm}: {type(e).__name__}", file=sys.stderr)
-        out[name] = sorted(timed)[:3]  # (us, keys an iteration, warps, stages, keys major, programs a multiprocessor)
+        out[name] = sorted(timed)[:3]  # (us, keys an iteration, warps, stages, programs a multiprocessor)
     return out
 
 
@@ -164,7 +157,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     for name, fn in forms(q, k, v, kq, vq, ks, vs, rows, pos, ctx, d ** -0.5).items():
                         err = (fn().float() - ref).abs().max().item()
                         us = time_graph(fn)
-                        read = bf16_bytes // 2 + 2 * b * nkv * keys * 4 if "fp8" in name else bf16_bytes
+                        read = bf16_bytes // 2 + 2 * b * nkv * keys * 4 if name == "split_fp8" else bf16_bytes
                         row[name] = {"us": round(us, 1), "max_abs_err": round(err, 4),
                                      "of_bound": round(read / bandwidth / (us * 1e-6), 3)}
                     if args.tune:

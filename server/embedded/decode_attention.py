@@ -80,7 +80,7 @@ def _kernels():
                  stride_qb, stride_qt, stride_qh, stride_cs, stride_ch, stride_cp, stride_ss, stride_sh,
                  NKV: tl.constexpr, T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, SPLITS: tl.constexpr, FP8: tl.constexpr,
-                 KEYS_MAJOR: tl.constexpr, RUNTIME_LOOP: tl.constexpr):
+                 RUNTIME_LOOP: tl.constexpr):
         pid, split = tl.program_id(0), tl.program_id(1)
         b, h = pid // NKV, pid % NKV
         slot = tl.load(rows_ptr + b * stride_rb).to(tl.int64)
@@ -103,11 +103,7 @@ def _kernels():
         end = tl.minimum(((split + 1) * blocks // SPLITS) * BLOCK_N, keys)
         m_i = tl.full((BLOCK_M,), -1.0e30, tl.float32)  # running max and sum, in base 2
         l_i = tl.zeros((BLOCK_M,), tl.float32)
-        if KEYS_MAJOR:  # the keys are the dots' M (BLOCK_N rows), the query rows their N: acc is [D, BLOCK_M]
-            acc = tl.zeros((D, BLOCK_M), tl.float32)
-            qt = tl.trans(q)
-        else:
-            acc = tl.zeros((BLOCK_M, D), tl.float32)
+        acc = tl.zeros((BLOCK_M, D), tl.float32)
         k_base = k_ptr + slot * stride_cs + h * stride_ch
         v_base = v_ptr + slot * stride_cs + h * stride_ch
         s_base = slot * stride_ss + h * stride_sh
@@ -123,50 +119,25 @@ def _kernels():
             kmask = n < end
             kb = tl.load(k_base + n[:, None] * stride_cp + dd[None, :], mask=kmask[:, None], other=0.0)
             vb = tl.load(v_base + n[:, None] * stride_cp + dd[None, :], mask=kmask[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(kb.to(q.dtype)))
             if FP8:
-                key_scale = tl.load(ks_ptr + s_base + n, mask=kmask, other=0.0) * qk_scale
+                s = s * (tl.load(ks_ptr + s_base + n, mask=kmask, other=0.0) * qk_scale)[None, :]
             else:
-                key_scale = qk_scale
-            if KEYS_MAJOR:
-                s = tl.dot(kb.to(q.dtype), qt)
-                if FP8:
-                    s = s * key_scale[:, None]
-                else:
-                    s = s * key_scale
-                seen = n[:, None] <= qpos[None, :]
-                if not RUNTIME_LOOP:  # the constant trip count runs on into the next chunk's keys
-                    seen = seen & kmask[:, None]
-                s = tl.where(seen, s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 0))
-                alpha = tl.math.exp2(m_i - m_new)
-                p = tl.math.exp2(s - m_new[None, :])
-                l_i = l_i * alpha + tl.sum(p, 0)
-                if FP8:
-                    p = p * tl.load(vs_ptr + s_base + n, mask=kmask, other=0.0)[:, None]
-                acc = acc * alpha[None, :] + tl.dot(tl.trans(vb.to(q.dtype)), p.to(q.dtype))
-            else:
-                s = tl.dot(q, tl.trans(kb.to(q.dtype)))
-                if FP8:
-                    s = s * key_scale[None, :]
-                else:
-                    s = s * key_scale
-                seen = n[None, :] <= qpos[:, None]
-                if not RUNTIME_LOOP:
-                    seen = seen & kmask[None, :]
-                s = tl.where(seen, s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                alpha = tl.math.exp2(m_i - m_new)
-                p = tl.math.exp2(s - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                if FP8:
-                    p = p * tl.load(vs_ptr + s_base + n, mask=kmask, other=0.0)[None, :]
-                acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), vb.to(q.dtype))
+                s = s * qk_scale
+            seen = n[None, :] <= qpos[:, None]
+            if not RUNTIME_LOOP:  # the constant trip count runs on into the next chunk's keys
+                seen = seen & kmask[None, :]
+            s = tl.where(seen, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.math.exp2(m_i - m_new)
+            p = tl.math.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if FP8:
+                p = p * tl.load(vs_ptr + s_base + n, mask=kmask, other=0.0)[None, :]
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), vb.to(q.dtype))
             m_i = m_new
         base = (pid * SPLITS + split) * BLOCK_M
-        if KEYS_MAJOR:
-            tl.store(part_o + (base + r)[None, :] * D + dd[:, None], acc)
-        else:
-            tl.store(part_o + (base + r)[:, None] * D + dd[None, :], acc)
+        tl.store(part_o + (base + r)[:, None] * D + dd[None, :], acc)
         tl.store(part_ml + (base + r) * 2, m_i)
         tl.store(part_ml + (base + r) * 2 + 1, l_i)
 
@@ -225,15 +196,13 @@ BLOCK_N = 64  # keys a loop iteration reads (the smallest a launch configuration
 
 
 class SplitConfig(NamedTuple):
-    """A launch configuration of the split kernel. `keys_major` swaps the dots' operands: the keys of a
-    block are the matrix multiply's M and the query rows its N. A tile of a few query rows (16 for a
-    decode, 32 for a 4-token verify at 14B) is then a narrow N rather than an M below the 64 rows a
-    Hopper warpgroup multiply takes, and the softmax reduces over the tile's other axis."""
+    """A launch configuration of the split kernel. (Swapping the dots' operands, so that a block's keys
+    are the matrix multiply's M and a tile's few query rows its N, measured no faster over a bf16 cache
+    and 1.7-8x slower over an FP8 one: H100, 2026-12-07, bench/attention-forms-h100.json.)"""
 
     block_n: int  # keys a loop iteration reads
     warps: int
     stages: int  # software pipeline depth
-    keys_major: bool = False
 
 
 # The split kernel's configuration per cache dtype, and for verify steps (several tokens a row) where it
@@ -241,7 +210,8 @@ class SplitConfig(NamedTuple):
 # server.bench.attention --tune`, H100, bench/attention-tune-h100.json; 128-key blocks gain most at batch
 # 1, 14B: 13.9 us against 17.2); an FP8 verify of 4 tokens a row, the fastest at 14B batch 16, 8k keys
 # (H100, 2026-12-07, bench/gpu-fp8-verify-h100.json: 149.2 us against 195.1 with decode's; its 32-row
-# tiles widen twice the e4m3 keys' work of a decode's 16 rows a block, so half the keys a block)
+# tiles widen twice the e4m3 keys' work of a decode's 16 rows a block, so half the keys a block; with
+# the base-2 softmax 143.6 us and still the fastest, bench/attention-forms-h100.json)
 SPLIT_CONFIG = {"model": SplitConfig(128, 4, 3), "fp8": SplitConfig(128, 4, 3), "fp8_verify": SplitConfig(64, 4, 3)}
 
 
@@ -311,8 +281,8 @@ def split_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torc
                    config: Optional[Sequence] = None
                    ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """The split kernel's launch (split_kv_attention's first half): (partial outputs [B*nkv*splits*block_m,
-    d], their running max and sum [.., 2], splits, block_m), the rows of program (b, kv head, split) at
-    ((b*nkv + head)*splits + split)*block_m."""
+    d], their running max and sum [.., 2] in base 2 (of scores times log2 e), splits, block_m), the rows
+    of program (b, kv head, split) at ((b*nkv + head)*splits + split)*block_m."""
     b, t, nq, d = q.shape
     nkv = k.shape[1]
     g = nq // nkv
@@ -321,7 +291,7 @@ def split_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torc
     if k.stride(-1) != 1 or q.stride(-1) != 1 or pos.stride(1) != 1 or pos.stride(0) != t:
         raise ValueError("split_kv_attention: q and the caches need a contiguous head_dim, pos a contiguous [B, T]")
     fp8 = k_scale is not None
-    block_n, warps, stages, keys_major = SplitConfig(*config) if config else split_config(fp8, t)
+    block_n, warps, stages = SplitConfig(*config) if config else split_config(fp8, t)
     if block_n < BLOCK_N or block_n & (block_n - 1):
         raise ValueError(f"split_kv_attention: keys per iteration {block_n} must be a power of two >= {BLOCK_N}")
     block_m = max(16, 1 << math.ceil(math.log2(t * g)))
@@ -337,7 +307,7 @@ def split_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torc
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         ks.stride(0) if fp8 else 0, ks.stride(1) if fp8 else 0,
         NKV=nkv, T=t, G=g, D=d, BLOCK_M=block_m, BLOCK_N=block_n, CHUNK=chunk, SPLITS=splits, FP8=fp8,
-        KEYS_MAJOR=bool(keys_major), RUNTIME_LOOP=not interpreted(), num_warps=warps, num_stages=stages)
+        RUNTIME_LOOP=not interpreted(), num_warps=warps, num_stages=stages)
     return part_o, part_ml, splits, block_m
 
 
