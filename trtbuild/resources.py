@@ -24,10 +24,11 @@ least its bf16 weights, so a machine whose available memory is below `model_byte
 
 Time: each model-running stage takes about a + b x parameters seconds (`STAGE_SECONDS`), fitted by
 `python -m trtbuild.programs.bench_scale` on random-weight Qwen2 models, which generate to the length
-limit every time (so an upper bound for trained models, which stop at their EOS): on a GPU host from
-one H100's run at 135M-1.5B (bench/scale-gpu-h100.json; projecting past 1.5B is a straight line's
-guess; measured before the batched FP8-KV price, which halved the build on the CPU), on the CPU from
-the 2-core CI host at 135M (bench/scale-cpu.json: one size, so proportional), scaled by 2 / the
+limit every time (so an upper bound for trained models, which stop at their EOS). On a GPU host: one
+H100's runs at 135M-3B (bench/scale-gpu-h100.json; past 3B a straight line's guess). The build's
+entry is the 135M-1.5B fit, measured before the batched FP8-KV price: the 3B build, after it, took
+55 s against 123 s at 1.5B, so a fit across both falls with size; the older one stays as the upper
+bound. On the CPU: the 2-core CI host at 135M and 0.5B (bench/scale-cpu.json), scaled by 2 / the
 host's cores. Quantize's figure is for two ModelOpt formats, scaled by the count still to make; a
 GGUF conversion and a TIR fine-tune source's training are not estimated.
 """
@@ -57,9 +58,10 @@ DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2":
 
 # stage -> (a seconds, b seconds a parameter); see the module docstring for where they were measured
 STAGE_SECONDS = {
-    "gpu": {"merge": (29.2, 8.2e-9), "quantize": (56.3, 16.3e-9), "drafter": (54.8, 0.0), "build": (117.6, 1.85e-9)},
-    "cpu": {"merge": (0.0, 60.1 / 106.7e6), "quantize": (0.0, 94.7 / 106.7e6), "drafter": (0.0, 306.3 / 106.7e6),
-            "build": (0.0, 53.6 / 106.7e6)},
+    "gpu": {"merge": (26.1, 14.7e-9), "quantize": (51.6, 26.4e-9), "drafter": (50.2, 6.1e-9),
+            "build": (117.6, 1.85e-9)},
+    "cpu": {"merge": (43.0, 160e-9), "quantize": (56.6, 357e-9), "drafter": (195.6, 1038e-9),
+            "build": (35.9, 166e-9)},
 }
 MEASURED_CPU_CORES = 2
 MEASURED_QUANTIZE_FORMATS = 2
