@@ -5,9 +5,11 @@
 For each weight shape (the fused q/k/v, o, fused gate/up and down projections) and batch M: bf16
 `F.linear`, the 8-bit weight-only Triton kernel with int8 weights (per-channel scales) and with FP8
 weights (one scale), FP8 `_scaled_mm` with its activation quantization, and the FP8 GEMM alone on an
-e4m3 activation: `_scaled_mm` (`fp8_gemm`) against the Triton kernel with an e4m3 input. Each is timed as a CUDA
-graph replay (as the engine runs it, so its launches count); the weight bytes read per second beside
-it. `--tune` also times every configuration of a small grid for the weight-only kernel and names the
+e4m3 activation: `_scaled_mm` (`fp8_gemm`) against the Triton kernel with an e4m3 input. Where gemlite is
+installed (a well-kept Triton low-bit library; carried to the GPU host as a wheel, not a dependency), its
+8-bit linears of the same weight run beside them (`gemlite_*`; `--no-gemlite` skips them). Each is
+timed as a CUDA graph replay (as the engine runs it, so its launches count); the weight bytes read per
+second beside it. `--tune` also times every configuration of a small grid for the weight-only kernel and names the
 best over all shapes for each row band (16, 32, 64 rows; try it with W8A16_CONFIG="16=...;64=...").
 """
 
@@ -17,7 +19,7 @@ import argparse
 import itertools
 import json
 import sys
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +32,21 @@ GRID = list(itertools.product((32, 64, 128, 256), (128, 256), (4, 8), (3, 4)))
 FP8_GRID = list(itertools.product((64, 128), (128, 256), (4, 8), (3, 4)))  # the FP8 Triton GEMM's, --tune
 
 
+# gemlite's 8-bit linears (gemlite.helper's processors), each quantizing the weight a scale a channel:
+# int8 and FP8 weight-only with bf16 activations, and FP8 weights on a dynamically quantized FP8 activation
+GEMLITE = {"gemlite_a16w8_int8": "A16W8_INT8", "gemlite_a16w8_fp8": "A16W8_FP8", "gemlite_a8w8_fp8": "A8W8_fp8_dynamic"}
+
+
+def gemlite_linears(w: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """GEMLITE's linears of the bf16 weight `w` [n, k] on its device; empty without gemlite."""
+    try:
+        import gemlite.helper as helper
+    except ImportError:
+        return {}
+    return {name: getattr(helper, processor)(device=str(w.device), dtype=w.dtype).from_weights(w.clone())
+            for name, processor in GEMLITE.items()}
+
+
 def row_band(m: int) -> int:
     """The band of `gpu_kernels.CONFIGS` that `m` rows fall in (the kernel's row tile: 16, 32 or 64)."""
     return 16 if m <= 16 else 32 if m <= 32 else 64
@@ -40,6 +57,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     grid_arguments(ap, SHAPES, shapes="1.5b,14b", batches="1,4,16")
     ap.add_argument("--tune", action="store_true", help="time the weight-only kernel's configuration grid too")
     ap.add_argument("--tune-fp8", action="store_true", help="time the FP8 Triton GEMM over a small grid too")
+    ap.add_argument("--no-gemlite", action="store_true", help="skip gemlite's linears even where it is installed")
     args = ap.parse_args(argv)
     from server.bench.attention import time_graph
 
@@ -48,6 +66,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from server.embedded import gpu_kernels as gk
 
     rows, totals = [], {}  # (row band, configuration): microseconds over the shapes
+    gemlite_ran = False
     for shape in args.shapes:
         for (n, k), m in itertools.product(SHAPES[shape], args.batches):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -91,6 +110,21 @@ def main(argv: Optional[list[str]] = None) -> int:
                             per[c] = float("inf")
                     row.update({"fp8_gemm_triton_best_us": round(min(per.values()), 1),
                                 "fp8_gemm_triton_best_config": min(per, key=per.get)})
+            if not args.no_gemlite:
+                try:
+                    peers = gemlite_linears(w)
+                except Exception as e:  # noqa: BLE001 - a library failure is a figure, not a crash
+                    peers, row["gemlite_error"] = {}, f"{type(e).__name__}: {str(e)[:200]}"
+                ref = F.linear(x, w).float()
+                for name, linear in peers.items():
+                    try:
+                        err = ((linear(x).float() - ref).norm() / ref.norm()).item()
+                        us = time_graph(lambda: linear(x))
+                        row.update({f"{name}_us": round(us, 1), f"{name}_vs_bf16": round(bf16 / us, 2),
+                                    f"{name}_rel_err": round(err, 4)})
+                    except Exception as e:  # noqa: BLE001 - e.g. a kernel this GPU cannot compile
+                        row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                gemlite_ran = gemlite_ran or bool(peers)
             if args.tune:
                 per = {}
                 for c in GRID:
@@ -105,6 +139,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(json.dumps(row), flush=True)
     bands = sorted({row_band(m) for m in args.batches})
     meta = {**gpu_environment(), "config_in_use": {b: gk.config_for(0, b) for b in bands}}
+    if gemlite_ran:
+        import gemlite
+
+        meta["gemlite"] = getattr(gemlite, "__version__", "installed")
     if args.tune:
         meta["best_config"] = {b: min((c for band, c in totals if band == b), key=lambda c: totals[b, c])
                                for b in bands}
