@@ -175,3 +175,27 @@ def test_a_row_shorter_than_the_bucket_spreads_its_keys_over_every_split(fp8):
                               rows, pos, 1024, 0.25)
     out = split_kv_attention(q, k, v, rows, pos, 1024, 0.25, ks, vs, programs=16, config=(64, 4, 2))
     assert (out.float() - ref).abs().max().item() < (2e-2 if dtype == torch.bfloat16 else 3e-3)
+
+
+@pytest.mark.skipif(not (CUDA or HAS_TRITON), reason="needs CUDA or Triton's interpreter")
+@pytest.mark.parametrize("t", [1, 4])
+def test_fp8_scores_lose_nothing_for_a_query_on_the_e4m3_grid(t):
+    """SplitConfig.fp8_scores quantizes each query row to e4m3 (amax / 448, as quantize_kv does) and dots it
+    with the cached e4m3 keys. A query whose rows are e4m3 values times a power of two, each with an
+    element at 448 times it, quantizes exactly, so the output is the unquantized query's. A bf16 cache
+    has no e4m3 keys to dot: asking for it there is an error."""
+    from server.embedded.decode_attention import split_config, split_kv_attention
+
+    dtype, device = (torch.bfloat16, "cuda") if CUDA else (torch.float16, "cpu")
+    _, k, v, rows, pos, ks, vs = _case(2, t, 8, 2, 32, 3, 300, 300, True, dtype, device, 8)
+    g = torch.Generator().manual_seed(t)
+    grid = (torch.randn(2, t, 8, 32, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    grid[..., 0] = 448.0
+    q = (grid * 2.0 ** torch.randint(-9, -5, (2, t, 8, 1), generator=g)).to(device, dtype)
+    ref = reference_attention(q.float(), dequantize_kv(k, ks, torch.float32), dequantize_kv(v, vs, torch.float32),
+                              rows, pos, 300, 32 ** -0.5)
+    config = split_config(True, t)._replace(fp8_scores=True)
+    out = split_kv_attention(q, k, v, rows, pos, 300, 32 ** -0.5, ks, vs, programs=8, config=config)
+    assert (out.float() - ref).abs().max().item() < (2e-2 if dtype == torch.bfloat16 else 3e-3)
+    with pytest.raises(ValueError, match="fp8_scores needs an FP8 cache"):
+        split_kv_attention(q, k.float().to(dtype), v.float().to(dtype), rows, pos, 300, 32 ** -0.5, config=config)

@@ -7,7 +7,8 @@ One layer's attention over the static slot cache, at each shape's head counts, f
 whose keys fill the context (the CUDA graph's bucket; `--fill` of it, as rows past a power of two
 do): SDPA with the group's query heads as query rows (`rows`), SDPA's grouped-query form (`gqa`),
 the split-KV Triton kernel over a bf16 cache (`split`) and over an FP8 cache with per-vector scales
-(`split_fp8`). Each is timed as a CUDA-graph replay of 20 calls
+(`split_fp8`), the latter also with its scores as an e4m3 dot (`split_fp8_scores`: the query quantized
+a row, `SplitConfig.fp8_scores`). Each is timed as a CUDA-graph replay of 20 calls
 (median of 5), as the engine runs it; the bound is the cache bytes the call must read over the
 measured copy bandwidth. Each form's output is checked against `reference_attention` first.
 """
@@ -54,11 +55,12 @@ def time_graph(fn: Callable[[], object]) -> float:
 def forms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kq: torch.Tensor, vq: torch.Tensor, ks: torch.Tensor,
           vs: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, ctx: int, scale: float
           ) -> dict[str, Callable[[], torch.Tensor]]:
-    from server.embedded.decode_attention import split_kv_attention
+    from server.embedded.decode_attention import split_config, split_kv_attention
 
     b, t, nq, d = q.shape
     nkv = k.shape[1]
     g = nq // nkv
+    fp8_scores = split_config(True, t)._replace(fp8_scores=True)
     mask = (torch.arange(ctx, device=q.device).view(1, 1, ctx) <= pos.unsqueeze(-1))  # [B, T, ctx]
     gqa_mask, rows_mask = mask.unsqueeze(1), mask.repeat_interleave(g, 1).unsqueeze(1)
 
@@ -74,13 +76,16 @@ def forms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kq: torch.Tensor, v
 
     return {"rows": by_rows, "gqa": gqa,
             "split": lambda: split_kv_attention(q, k, v, rows, pos, ctx, scale),
-            "split_fp8": lambda: split_kv_attention(q, kq, vq, rows, pos, ctx, scale, ks, vs)}
+            "split_fp8": lambda: split_kv_attention(q, kq, vq, rows, pos, ctx, scale, ks, vs),
+            "split_fp8_scores": lambda: split_kv_attention(q, kq, vq, rows, pos, ctx, scale, ks, vs,
+                                                           config=fp8_scores)}
 
 
 # an FP8 cache moves half the bytes an iteration for the same softmax work, so its best may want longer
 # iterations, deeper pipelines or more resident programs than bf16's (those the shared memory refuses
 # fail to compile and are skipped)
 TUNE_CONFIGS = [(bn, w, st) for bn in (64, 128, 256) for w in (4, 8) for st in (2, 3, 4)]
+FP8_SCORES = (False, True)  # the FP8 cache's configurations also with its scores as an e4m3 dot
 PROGRAMS_PER_SM = (1, 2, 3, 4)
 
 
@@ -88,9 +93,9 @@ def tune_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kq: torch.Tens
                ks: torch.Tensor, vs: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, ctx: int, scale: float,
                ref: torch.Tensor, caches: tuple[str, ...] = ("split", "split_fp8"),
                per_sms: tuple[int, ...] = PROGRAMS_PER_SM) -> dict[str, list]:
-    """The split kernel's time per (keys an iteration, warps, stages, programs a multiprocessor), over
-    the bf16 (`split`) and FP8 (`split_fp8`) caches named in `caches`, fastest first (the three best of
-    each); a configuration that fails or is wrong is skipped."""
+    """The split kernel's time per (keys an iteration, warps, stages[, e4m3 scores], programs a
+    multiprocessor), over the bf16 (`split`) and FP8 (`split_fp8`, also with e4m3 scores) caches named in
+    `caches`, fastest first (the three best of each); a configuration that fails or is wrong is skipped."""
     from server.embedded.decode_attention import split_kv_attention
 
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
@@ -99,7 +104,8 @@ def tune_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kq: torch.Tens
         if name not in caches:
             continue
         timed = []
-        for config in TUNE_CONFIGS:
+        configs = [(*c, fs) for c in TUNE_CONFIGS for fs in FP8_SCORES] if ksc is not None else TUNE_CONFIGS
+        for config in configs:
             for per_sm in per_sms:
                 def fn(config=config, per_sm=per_sm) -> torch.Tensor:
                     return split_kv_attention(q, kc, vc, rows, pos, ctx, scale, ksc, vsc, programs=per_sm * sms,
@@ -110,7 +116,7 @@ def tune_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kq: torch.Tens
                     timed.append((round(time_graph(fn), 1), *config, per_sm))
                 except Exception as e:  # noqa: BLE001 - e.g. shared memory exceeded: not a candidate
                     print(f"[bench.attention] {name} {config} x{per_sm}: {type(e).__name__}", file=sys.stderr)
-        out[name] = sorted(timed)[:3]  # (us, keys an iteration, warps, stages, programs a multiprocessor)
+        out[name] = sorted(timed)[:3]  # (us, keys an iteration, warps, stages[, e4m3 scores], programs an SM)
     return out
 
 
@@ -157,7 +163,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     for name, fn in forms(q, k, v, kq, vq, ks, vs, rows, pos, ctx, d ** -0.5).items():
                         err = (fn().float() - ref).abs().max().item()
                         us = time_graph(fn)
-                        read = bf16_bytes // 2 + 2 * b * nkv * keys * 4 if name == "split_fp8" else bf16_bytes
+                        read = bf16_bytes // 2 + 2 * b * nkv * keys * 4 if "fp8" in name else bf16_bytes
                         row[name] = {"us": round(us, 1), "max_abs_err": round(err, 4),
                                      "of_bound": round(read / bandwidth / (us * 1e-6), 3)}
                     if args.tune:

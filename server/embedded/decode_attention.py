@@ -80,7 +80,7 @@ def _kernels():
                  stride_qb, stride_qt, stride_qh, stride_cs, stride_ch, stride_cp, stride_ss, stride_sh,
                  NKV: tl.constexpr, T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, SPLITS: tl.constexpr, FP8: tl.constexpr,
-                 RUNTIME_LOOP: tl.constexpr):
+                 FP8_SCORES: tl.constexpr, RUNTIME_LOOP: tl.constexpr):
         pid, split = tl.program_id(0), tl.program_id(1)
         b, h = pid // NKV, pid % NKV
         slot = tl.load(rows_ptr + b * stride_rb).to(tl.int64)
@@ -91,6 +91,11 @@ def _kernels():
         dd = tl.arange(0, D)
         q = tl.load(q_ptr + b * stride_qb + tok[:, None] * stride_qt + (h * G + grp)[:, None] * stride_qh
                     + dd[None, :], mask=live[:, None], other=0.0)
+        if FP8_SCORES:  # the scores as an e4m3 dot on the keys as cached: the query quantized a row, as
+            # quantize_kv quantizes a vector (a lossy step of its own, priced with the FP8 cache's)
+            qf = q.to(tl.float32)
+            q_scale = tl.maximum(tl.max(tl.abs(qf), 1) / 448.0, 1e-12)
+            q8 = to_e4m3(qf, q_scale[:, None])
         if FP8:  # e4m3 widens to fp16 in one instruction (to bf16 it takes several): the dots run in fp16
             q = q.to(tl.float16)
         # This row's keys (the most any of its tokens sees) in whole blocks, dealt evenly over its SPLITS
@@ -119,7 +124,10 @@ def _kernels():
             kmask = n < end
             kb = tl.load(k_base + n[:, None] * stride_cp + dd[None, :], mask=kmask[:, None], other=0.0)
             vb = tl.load(v_base + n[:, None] * stride_cp + dd[None, :], mask=kmask[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(kb.to(q.dtype)))
+            if FP8_SCORES:
+                s = tl.dot(q8, tl.trans(kb)) * q_scale[:, None]
+            else:
+                s = tl.dot(q, tl.trans(kb.to(q.dtype)))
             if FP8:
                 s = s * (tl.load(ks_ptr + s_base + n, mask=kmask, other=0.0) * qk_scale)[None, :]
             else:
@@ -203,6 +211,9 @@ class SplitConfig(NamedTuple):
     block_n: int  # keys a loop iteration reads
     warps: int
     stages: int  # software pipeline depth
+    # FP8 caches: the scores as an e4m3 x e4m3 dot on the keys as cached (no widening to fp16), the query
+    # quantized a row as `quantize_kv` quantizes a vector; lossy, so only where measured faster
+    fp8_scores: bool = False
 
 
 # The split kernel's configuration per cache dtype, and for verify steps (several tokens a row) where it
@@ -291,7 +302,9 @@ def split_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torc
     if k.stride(-1) != 1 or q.stride(-1) != 1 or pos.stride(1) != 1 or pos.stride(0) != t:
         raise ValueError("split_kv_attention: q and the caches need a contiguous head_dim, pos a contiguous [B, T]")
     fp8 = k_scale is not None
-    block_n, warps, stages = SplitConfig(*config) if config else split_config(fp8, t)
+    block_n, warps, stages, fp8_scores = SplitConfig(*config) if config else split_config(fp8, t)
+    if fp8_scores and not fp8:
+        raise ValueError("split_kv_attention: fp8_scores needs an FP8 cache (k_scale and v_scale)")
     if block_n < BLOCK_N or block_n & (block_n - 1):
         raise ValueError(f"split_kv_attention: keys per iteration {block_n} must be a power of two >= {BLOCK_N}")
     block_m = max(16, 1 << math.ceil(math.log2(t * g)))
@@ -307,7 +320,7 @@ def split_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torc
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         ks.stride(0) if fp8 else 0, ks.stride(1) if fp8 else 0,
         NKV=nkv, T=t, G=g, D=d, BLOCK_M=block_m, BLOCK_N=block_n, CHUNK=chunk, SPLITS=splits, FP8=fp8,
-        RUNTIME_LOOP=not interpreted(), num_warps=warps, num_stages=stages)
+        FP8_SCORES=bool(fp8_scores), RUNTIME_LOOP=not interpreted(), num_warps=warps, num_stages=stages)
     return part_o, part_ml, splits, block_m
 
 
