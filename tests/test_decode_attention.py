@@ -182,8 +182,9 @@ def test_a_row_shorter_than_the_bucket_spreads_its_keys_over_every_split(fp8):
 def test_fp8_scores_lose_nothing_for_a_query_on_the_e4m3_grid(t):
     """SplitConfig.fp8_scores quantizes each query row to e4m3 (amax / 448, as quantize_kv does) and dots it
     with the cached e4m3 keys. A query whose rows are e4m3 values times a power of two, each with an
-    element at 448 times it, quantizes exactly, so the output is the unquantized query's. A bf16 cache
-    has no e4m3 keys to dot: asking for it there is an error."""
+    element at 448 times it, quantizes exactly, so the output is the unquantized query's; an ordinary
+    query's moves (the e4m3 dot ran) to the quantized query's. A bf16 cache has no e4m3 keys to dot, and an
+    8-bit dot needs head_dim >= 32: asking for it there is an error."""
     from server.embedded.decode_attention import split_config, split_kv_attention
 
     dtype, device = (torch.bfloat16, "cuda") if CUDA else (torch.float16, "cpu")
@@ -197,5 +198,19 @@ def test_fp8_scores_lose_nothing_for_a_query_on_the_e4m3_grid(t):
     config = split_config(True, t)._replace(fp8_scores=True)
     out = split_kv_attention(q, k, v, rows, pos, 300, 32 ** -0.5, ks, vs, programs=8, config=config)
     assert (out.float() - ref).abs().max().item() < (2e-2 if dtype == torch.bfloat16 else 3e-3)
+    # an ordinary query does go through the e4m3 dot: its output moves off the fp16 dot's. On a GPU it is the
+    # output of the query as quantize_kv quantizes it (the interpreter rounds some float32 -> e4m3 wrongly)
+    q = torch.randn(2, t, 8, 32, generator=g).to(device, dtype)
+    out = split_kv_attention(q, k, v, rows, pos, 300, 32 ** -0.5, ks, vs, programs=8, config=config)
+    plain = split_kv_attention(q, k, v, rows, pos, 300, 32 ** -0.5, ks, vs, programs=8, config=config[:3])
+    assert not torch.equal(out, plain)
+    if CUDA:
+        q8 = dequantize_kv(*quantize_kv(q), torch.float32)
+        ref = reference_attention(q8, dequantize_kv(k, ks, torch.float32), dequantize_kv(v, vs, torch.float32),
+                                  rows, pos, 300, 32 ** -0.5)
+        assert (out.float() - ref).abs().max().item() < 2e-2
     with pytest.raises(ValueError, match="fp8_scores needs an FP8 cache"):
         split_kv_attention(q, k.float().to(dtype), v.float().to(dtype), rows, pos, 300, 32 ** -0.5, config=config)
+    with pytest.raises(ValueError, match="head_dim >= 32"):
+        split_kv_attention(q[..., :16].contiguous(), k[..., :16].contiguous(), v[..., :16].contiguous(), rows, pos,
+                           300, 0.25, ks, vs, config=config)

@@ -305,6 +305,8 @@ def split_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torc
     block_n, warps, stages, fp8_scores = SplitConfig(*config) if config else split_config(fp8, t)
     if fp8_scores and not fp8:
         raise ValueError("split_kv_attention: fp8_scores needs an FP8 cache (k_scale and v_scale)")
+    if fp8_scores and d < 32:  # an 8-bit dot's K is at least 32 on NVIDIA GPUs
+        raise ValueError(f"split_kv_attention: fp8_scores needs head_dim >= 32, not {d}")
     if block_n < BLOCK_N or block_n & (block_n - 1):
         raise ValueError(f"split_kv_attention: keys per iteration {block_n} must be a power of two >= {BLOCK_N}")
     block_m = max(16, 1 << math.ceil(math.log2(t * g)))
