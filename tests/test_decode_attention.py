@@ -214,3 +214,13 @@ def test_fp8_scores_lose_nothing_for_a_query_on_the_e4m3_grid(t):
     with pytest.raises(ValueError, match="head_dim >= 32"):
         split_kv_attention(q[..., :16].contiguous(), k[..., :16].contiguous(), v[..., :16].contiguous(), rows, pos,
                            300, 0.25, ks, vs, config=config)
+
+
+def test_a_verify_takes_its_own_launch_entries_where_a_table_has_them():
+    from server.embedded.decode_attention import PROGRAMS_PER_SM, SPLIT_CONFIG, launch_key, split_config
+
+    assert split_config(True, 4) == SPLIT_CONFIG["fp8_verify"] and split_config(True, 1) == SPLIT_CONFIG["fp8"]
+    assert split_config(False, 4) == SPLIT_CONFIG["model"]  # no bf16 verify entry: the dtype's
+    table = {"model": 2, "fp8": 2, "fp8_verify": 3}
+    assert [launch_key(True, t, table) for t in (1, 4)] == ["fp8", "fp8_verify"]
+    assert launch_key(False, 4, table) == "model" and launch_key(True, 4, PROGRAMS_PER_SM) in PROGRAMS_PER_SM

@@ -226,10 +226,16 @@ class SplitConfig(NamedTuple):
 SPLIT_CONFIG = {"model": SplitConfig(128, 4, 3), "fp8": SplitConfig(128, 4, 3), "fp8_verify": SplitConfig(64, 4, 3)}
 
 
+def launch_key(fp8: bool, tokens: int, table: dict) -> str:
+    """The key of `table` (SPLIT_CONFIG, PROGRAMS_PER_SM) for a cache dtype and tokens a row: a verify's
+    ("<dtype>_verify") where the table has one, else the dtype's."""
+    name = "fp8" if fp8 else "model"
+    return f"{name}_verify" if tokens > 1 and f"{name}_verify" in table else name
+
+
 def split_config(fp8: bool, tokens: int) -> SplitConfig:
     """SPLIT_CONFIG's entry for a cache dtype and tokens a row (a verify's, where it has its own)."""
-    name = "fp8" if fp8 else "model"
-    return SPLIT_CONFIG.get(f"{name}_verify", SPLIT_CONFIG[name]) if tokens > 1 else SPLIT_CONFIG[name]
+    return SPLIT_CONFIG[launch_key(fp8, tokens, SPLIT_CONFIG)]
 
 
 # Programs per (row, KV head) at most: the combine kernel reads the chunks' partials one after another,
@@ -250,16 +256,19 @@ def plan_splits(batch: int, kv_heads: int, ctx: int, programs: int, block_n: int
     return chunk, -(-ctx // chunk)
 
 
-# Programs a multiprocessor, per cache dtype: a decode program is one 16-row tile, and a second one
+# Programs a multiprocessor, per cache dtype (and for verify steps where it differs, "<dtype>_verify", as
+# in SPLIT_CONFIG): a decode program is one 16-row tile, and a second one
 # resident on each multiprocessor hides the other's memory latency (batch 16, 8k keys: 52 us against 71
 # with one); `bench.attention --tune` times 1-4 for each dtype (its last column)
 PROGRAMS_PER_SM = {"model": 2, "fp8": 2}
 
 
 @functools.lru_cache(maxsize=None)
-def _programs(device: int, fp8: bool) -> int:
-    """How many programs the split kernel plans for on CUDA device `device`."""
-    return PROGRAMS_PER_SM["fp8" if fp8 else "model"] * torch.cuda.get_device_properties(device).multi_processor_count
+def _programs(device: int, fp8: bool, tokens: int) -> int:
+    """How many programs the split kernel plans for on CUDA device `device` (PROGRAMS_PER_SM's entry for
+    the cache dtype and tokens a row, as `launch_key` picks it)."""
+    per_sm = PROGRAMS_PER_SM[launch_key(fp8, tokens, PROGRAMS_PER_SM)]
+    return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor,
@@ -311,7 +320,7 @@ def split_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torc
         raise ValueError(f"split_kv_attention: keys per iteration {block_n} must be a power of two >= {BLOCK_N}")
     block_m = max(16, 1 << math.ceil(math.log2(t * g)))
     if programs is None:
-        programs = _programs(q.device.index or 0, fp8) if q.is_cuda else 8
+        programs = _programs(q.device.index or 0, fp8, t) if q.is_cuda else 8
     chunk, splits = plan_splits(b, nkv, ctx, programs, block_n)
     part_o = torch.empty((b * nkv * splits * block_m, d), dtype=torch.float32, device=q.device)
     part_ml = torch.empty((b * nkv * splits * block_m, 2), dtype=torch.float32, device=q.device)
