@@ -146,6 +146,43 @@ def test_a_prompt_that_fills_the_context_is_refused_and_one_that_fits_is_served(
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
 
 
+@pytest.mark.parametrize("seed,n", [(2 ** 64, 1), (10 ** 30, 1), (-(2 ** 63) - 1, 1), (2 ** 64 - 1, 2)])
+def test_a_seed_a_generator_cannot_take_is_a_400(served, seed, n):
+    """A seed is 64 bits; choice i of n samples with seed + i, so the last must fit too (these were 500s)."""
+    r = post_raw(served.base, COMPLETIONS, json.dumps({"prompt": "hi", "max_tokens": 2, "seed": seed, "n": n}).encode())
+    assert "seed must lie in" in assert_openai_error(r, 400, "seed")["message"]
+    ok = {"prompt": "hi", "max_tokens": 2, "seed": 2 ** 64 - 2, "n": 2}
+    assert post_raw(served.base, COMPLETIONS, json.dumps(ok).encode()).status_code == 200
+
+
+def test_a_request_of_too_many_completions_is_a_400_before_it_queues(served):
+    """prompts x n is capped (MAX_CHOICES): one body of a thousand prompts at n=128 would queue 128k requests
+    ahead of every other client."""
+    from server.openai.parsing import MAX_CHOICES
+
+    before = served.engine.stats.requests
+    r = post_raw(served.base, COMPLETIONS, json.dumps({"prompt": ["a"] * 1000, "n": 128, "max_tokens": 1}).encode())
+    assert "1000 x 128" in assert_openai_error(r, 400, "n")["message"]
+    r = post_raw(served.base, COMPLETIONS, json.dumps({"prompt": ["a"] * (MAX_CHOICES + 1), "max_tokens": 1}).encode())
+    assert_openai_error(r, 400, "prompt")
+    assert served.engine.stats.requests == before  # neither reached the engine
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_a_400(served):
+    for ids in ([-1], [10 ** 30], [1, 2, 1_000_000]):
+        r = post_raw(served.base, COMPLETIONS, json.dumps({"prompt": "hi", "max_tokens": 2,
+                                                          "stop_token_ids": ids}).encode())
+        assert_openai_error(r, 400, "stop_token_ids")
+
+
+def test_a_refused_value_is_quoted_back_cut_short(served):
+    """An error quotes what it refused, not megabytes of it."""
+    for body in ({"prompt": "hi", "model": "m" * 1_000_000}, {"prompt": "hi", "stop": [1] * 200_000},
+                 {"prompt": "hi", "max_tokens": "9" * 1_000_000}, {"prompt": "hi", "stop_token_ids": ["x"] * 10 ** 5}):
+        r = post_raw(served.base, COMPLETIONS, json.dumps(body).encode())
+        assert r.status_code in (400, 404) and len(r.content) < 2000, (r.status_code, len(r.content))
+
+
 def test_malformed_bodies_are_a_400(served):
     for body in (b"", b"{", b"[1, 2]", b"null", b'"text"', b"\xff\xfe", b"[" * 100_000):
         assert_openai_error(post_raw(served.base, CHAT, body), 400)

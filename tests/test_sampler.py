@@ -30,3 +30,13 @@ def test_a_batch_draws_what_each_row_draws_alone():
         alone = [_alone(logits[i], p, make_generator(100 * step + i)) for i, p in enumerate(params)]
         assert together == alone
         logits = logits.roll(1, 0)
+
+
+def test_a_seed_past_64_bits_folds_as_torch_folds_a_negative_one():
+    """A generator's seed is 64 bits: larger seeds are taken modulo 2**64 (they raised before), which is
+    what torch itself does with a negative one, so every seed in range keeps its stream."""
+    def draws(seed):
+        return torch.rand(4, generator=make_generator(seed))
+
+    assert torch.equal(draws(2 ** 64 + 5), draws(5)) and torch.equal(draws(-5), draws(2 ** 64 - 5))
+    assert torch.equal(draws(123), draws(123)) and not torch.equal(draws(123), draws(124))

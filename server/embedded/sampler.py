@@ -19,8 +19,10 @@ CANDIDATES = 256
 
 
 def make_generator(seed: Optional[int]) -> torch.Generator:
+    """A request's generator: `seed` taken modulo 2**64 (a generator's seed is 64 bits; torch folds a
+    negative one the same way, and a larger one would raise), or a random seed."""
     g = torch.Generator()
-    g.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
+    g.manual_seed(seed % 2**64 if seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
     return g
 
 

@@ -18,6 +18,7 @@ In deterministic mode only whole aligned prefill chunks are reused (server/embed
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from typing import Any, Optional
 
 import server.embedded.deterministic as deterministic
@@ -32,7 +33,9 @@ class Scheduler:
         self.runner = runner
         self.max_batch_size, self.max_seq_len, self.max_input_len = max_batch_size, max_seq_len, max_input_len
         self.prefix_reuse, self.deterministic = prefix_reuse, deterministic
-        self.waiting: list[Seq] = []
+        # by the Seq's identity, in arrival order: a cancelled request leaves in O(1) (a client that drops
+        # a request of thousands of choices cancels every one of them)
+        self.waiting: OrderedDict[int, Seq] = OrderedDict()
         self.running: list[Seq] = []  # running[i].slot == i
         self.parked: dict[int, tuple[list[int], float]] = {}  # slot -> (tokens with KV, last use)
         self.by_id: dict[str, Seq] = {}  # every request not yet finished, waiting or running
@@ -43,11 +46,11 @@ class Scheduler:
 
     def in_flight(self) -> list[Seq]:
         """Running then waiting requests (a snapshot: ending one while walking it is safe)."""
-        return self.running + self.waiting
+        return self.running + list(self.waiting.values())
 
     def add(self, seq: Seq) -> None:
         self.by_id[seq.req.request_id] = seq
-        self.waiting.append(seq)
+        self.waiting[id(seq)] = seq
 
     def get(self, request_id: str) -> Optional[Seq]:
         return self.by_id.get(request_id)
@@ -73,7 +76,7 @@ class Scheduler:
         prompts; a prefill may end its request, which frees its slot for the next."""
         if not self.waiting or len(self.running) >= self.max_batch_size:
             return None
-        seq = self.waiting.pop(0)
+        _, seq = self.waiting.popitem(last=False)
         n = len(seq.prompt)
         if n == 0 or n > self.max_input_len:
             return seq, f"prompt of {n} tokens: must be 1..{self.max_input_len} (max_input_len)"
@@ -102,7 +105,7 @@ class Scheduler:
         first computes the prompt, the rest copy it)."""
         if not (self.waiting and admitted and self.prefix_reuse) or len(self.running) >= self.max_batch_size:
             return False
-        prompt = self.waiting[0].prompt
+        prompt = next(iter(self.waiting.values())).prompt
         have = self._longest_prefix(prompt, len(self.running))[1]
         for seq in admitted:
             i = _common_prefix(seq.prompt, prompt, min(len(seq.prompt), len(prompt) - 1))
@@ -114,8 +117,7 @@ class Scheduler:
         """Forget a request (its slot parked with the KV it leaves); False when it had already ended."""
         if self.by_id.pop(seq.req.request_id, None) is None:
             return False
-        if seq in self.waiting:
-            self.waiting.remove(seq)
+        self.waiting.pop(id(seq), None)
         if 0 <= seq.slot < len(self.running) and self.running[seq.slot] is seq:
             i, last = seq.slot, len(self.running) - 1
             if i != last:
@@ -131,7 +133,7 @@ class Scheduler:
         """Forget every request and every kept prefix without touching the cache (its state is unknown
         after a failed step), so the next requests start clean; returns those that had not ended."""
         live = [s for s in self.in_flight() if self.by_id.pop(s.req.request_id, None) is not None]
-        self.running, self.waiting = [], []
+        self.running, self.waiting = [], OrderedDict()
         self.parked.clear()
         return live
 

@@ -15,9 +15,10 @@ from aimo_spec.protocol import Request, SamplingParams
 from server.stream import RequestStream
 
 
-@dataclass
+@dataclass(eq=False)
 class Seq:
-    """A request in the scheduler: its stream plus where its KV lives."""
+    """A request in the scheduler: its stream plus where its KV lives. Compared by identity (one object
+    a request), not field by field."""
 
     stream: RequestStream
     gen: torch.Generator

@@ -55,6 +55,7 @@ def create_app(load: Callable[[], Any], model_name: str,
     from contextlib import asynccontextmanager
 
     from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
     from starlette.requests import Request as HttpRequest
     from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
     from starlette.routing import Route
@@ -151,6 +152,14 @@ def create_app(load: Callable[[], Any], model_name: str,
     async def metrics(request: HttpRequest) -> Response:
         return PlainTextResponse(state.api.metrics() if state.api else "")
 
+    async def http_error(request: HttpRequest, exc: Exception) -> Response:
+        """Starlette's own refusals (an unknown path, a wrong method) in the API's error shape."""
+        status = getattr(exc, "status_code", 500)
+        kind = {404: "not_found", 405: "method_not_allowed"}.get(status)
+        err = ApiError(status, f"{request.method} {request.url.path}: {getattr(exc, 'detail', '') or status}"[:300],
+                       code=kind)
+        return JSONResponse(err.body(), status_code=status, headers=getattr(exc, "headers", None))  # 405: Allow
+
     @asynccontextmanager
     async def lifespan(app: Any) -> AsyncIterator[None]:
         state.start()
@@ -166,6 +175,6 @@ def create_app(load: Callable[[], Any], model_name: str,
         Route("/v1/models", guarded(models), methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
-    ], lifespan=lifespan)
+    ], lifespan=lifespan, exception_handlers={HTTPException: http_error})
     app.state.serving = state
     return app

@@ -14,6 +14,13 @@ from typing import Any, Callable, Optional
 from server.openai.api_error import ApiError
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
+ECHO_CHARS = 200  # of a refused value, quoted back in the error
+
+
+def quoted(value: Any) -> str:
+    """A refused value as an error message quotes it: repr, cut to ECHO_CHARS (a body may hold megabytes)."""
+    text = repr(value)
+    return text if len(text) <= ECHO_CHARS else text[:ECHO_CHARS] + f"... ({len(text)} characters)"
 
 
 def number_field(body: dict, name: str, default: Any, lo: Optional[float] = None, hi: Optional[float] = None,
@@ -23,12 +30,12 @@ def number_field(body: dict, name: str, default: Any, lo: Optional[float] = None
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)):
-        raise ApiError(400, f"{name} must be {'an integer' if integer else 'a number'} (got {v!r})", name)
+        raise ApiError(400, f"{name} must be {'an integer' if integer else 'a number'} (got {quoted(v)})", name)
     if isinstance(v, float) and not math.isfinite(v):
-        raise ApiError(400, f"{name} must be a finite number (got {v!r})", name)
+        raise ApiError(400, f"{name} must be a finite number (got {quoted(v)})", name)
     if lo is not None and (v <= lo if lo_open else v < lo) or hi is not None and v > hi:
         rng = f"{'>' if lo_open else '>='} {lo}" if hi is None else f"in {'(' if lo_open else '['}{lo}, {hi}]"
-        raise ApiError(400, f"{name} must be {rng} (got {v!r})", name)
+        raise ApiError(400, f"{name} must be {rng} (got {quoted(v)})", name)
     return v
 
 
@@ -38,7 +45,7 @@ def flag_field(body: dict, name: str, default: bool = False) -> bool:
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise ApiError(400, f"{name} must be a boolean (got {v!r})", name)
+        raise ApiError(400, f"{name} must be a boolean (got {quoted(v)})", name)
     return v
 
 
@@ -46,7 +53,7 @@ def refuse_unsupported(body: dict, name: str, ok: Callable[[Any], bool], why: st
     """A 400 naming the field when it asks for what the engine cannot do (`ok` says what it can)."""
     v = body.get(name)
     if v is not None and not ok(v):
-        raise ApiError(400, f"{name} is not supported by this server ({why}; got {v!r})", name)
+        raise ApiError(400, f"{name} is not supported by this server ({why}; got {quoted(v)})", name)
 
 
 def stop_strings(body: dict) -> tuple[str, ...]:
@@ -56,7 +63,7 @@ def stop_strings(body: dict) -> tuple[str, ...]:
         return ()
     items = [v] if isinstance(v, str) else v
     if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
-        raise ApiError(400, f"stop must be a string or a list of strings (got {v!r})", "stop")
+        raise ApiError(400, f"stop must be a string or a list of strings (got {quoted(v)})", "stop")
     if any(not s for s in items):
         raise ApiError(400, "stop: stop strings must not be empty", "stop")
     return tuple(items)

@@ -15,11 +15,15 @@ from typing import Any, Optional
 
 from aimo_spec.protocol import SamplingParams
 from server.openai.api_error import ApiError
-from server.openai.body import flag_field, number_field, parse_body, refuse_unsupported, stop_strings
+from server.openai.body import flag_field, number_field, parse_body, quoted, refuse_unsupported, stop_strings
 from server.openai.job import Job
 
 MAX_LOGPROBS = 20
 MAX_N = 128
+# completions one request may ask for (prompts x n): each is a request in the engine's queue, and one body
+# of a thousand prompts at n=128 would otherwise queue 128k of them ahead of every other client
+MAX_CHOICES = 4096
+SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)  # what a torch generator's seed takes; choice i of n gets seed + i
 CHAT_ROLES = ("system", "developer", "user", "assistant")  # developer is OpenAI's newer name for system
 ENGINE_LOGPROBS = 20  # asked of the engine whenever logprobs are wanted: the sampled token is nearly always among them
 
@@ -60,10 +64,10 @@ class RequestParser:
     def _common(self, body: dict, kind: str, prompts: list[list[int]], prompt_field: str) -> Job:
         model = body.get("model")
         if model is not None and not isinstance(model, str):
-            raise ApiError(400, f"model must be a string (got {model!r})", "model")
+            raise ApiError(400, f"model must be a string (got {quoted(model)})", "model")
         if model and model != self.model_name:
-            raise ApiError(404, f"The model {model!r} does not exist (this server serves {self.model_name!r})", "model",
-                           code="model_not_found")
+            raise ApiError(404, f"The model {quoted(model)} does not exist (this server serves {self.model_name!r})",
+                           "model", code="model_not_found")
         for name, value in (("frequency_penalty", 0), ("presence_penalty", 0)):
             refuse_unsupported(body, name, lambda v, d=value: v == d, "no penalties in the engine")
         refuse_unsupported(body, "repetition_penalty", lambda v: v == 1, "no penalties in the engine")
@@ -71,6 +75,9 @@ class RequestParser:
         refuse_unsupported(body, "logit_bias", lambda v: not v, "no logit bias in the engine")
         refuse_unsupported(body, "use_beam_search", lambda v: v is False, "no beam search")
         n = number_field(body, "n", 1, 1, MAX_N, integer=True)
+        if len(prompts) * n > MAX_CHOICES:
+            raise ApiError(400, f"a request may ask for at most {MAX_CHOICES} completions (prompts x n); this one "
+                                f"asks for {len(prompts)} x {n}", "n" if n > 1 else prompt_field)
         refuse_unsupported(body, "best_of", lambda v: v == n, "best_of must equal n")
         limit = self.max_input_len
         for ids in prompts:
@@ -100,11 +107,16 @@ class RequestParser:
             raise ApiError(400, "stream_options must be an object, and only with stream: true", "stream_options")
         include_usage = bool((opts or {}).get("include_usage"))
         stop_ids = body.get("stop_token_ids") or []
-        if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
-            raise ApiError(400, f"stop_token_ids must be a list of token ids (got {stop_ids!r})", "stop_token_ids")
+        if (not isinstance(stop_ids, list)
+                or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab for t in stop_ids)):
+            raise ApiError(400, f"stop_token_ids must be a list of token ids in 0..{self.vocab - 1} "
+                                f"(got {quoted(stop_ids)})", "stop_token_ids")
         seed = body.get("seed")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise ApiError(400, f"seed must be an integer (got {seed!r})", "seed")
+            raise ApiError(400, f"seed must be an integer (got {quoted(seed)})", "seed")
+        if seed is not None and not (SEED_RANGE[0] <= seed and seed + n - 1 <= SEED_RANGE[1]):
+            raise ApiError(400, f"seed must lie in {SEED_RANGE[0]}..{SEED_RANGE[1] - n + 1} (choice i of n samples "
+                                f"with seed + i; got {quoted(seed)})", "seed")
         temperature = number_field(body, "temperature", 1.0, 0, 2)
         top_p = number_field(body, "top_p", 1.0, 0, 1, lo_open=True)
         top_k = number_field(body, "top_k", 0, -1, integer=True)
@@ -129,6 +141,8 @@ class RequestParser:
         refuse_unsupported(body, "echo", lambda v: v is False, "the prompt is not echoed")
         refuse_unsupported(body, "suffix", lambda v: not v, "no insertion")
         prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) > MAX_CHOICES and not isinstance(prompt[0], int):
+            raise ApiError(400, f"prompt: at most {MAX_CHOICES} prompts a request (got {len(prompt)})", "prompt")
         for x in [prompt] if isinstance(prompt, str) else prompt if isinstance(prompt, list) else []:
             if isinstance(x, str):
                 self._check_length(len(x), "prompt")
