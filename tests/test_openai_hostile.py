@@ -181,6 +181,9 @@ def test_a_refused_value_is_quoted_back_cut_short(served):
                  {"prompt": "hi", "max_tokens": "9" * 1_000_000}, {"prompt": "hi", "stop_token_ids": ["x"] * 10 ** 5}):
         r = post_raw(served.base, COMPLETIONS, json.dumps(body).encode())
         assert r.status_code in (400, 404) and len(r.content) < 2000, (r.status_code, len(r.content))
+    key = "k" * 1_000_000 + "\\ud800"  # a lone surrogate in a megabyte-long key
+    r = post_raw(served.base, COMPLETIONS, ('{"prompt": "hi", "' + key + '": 1}').encode())
+    assert r.status_code == 400 and "surrogate" in r.text and len(r.content) < 2000, (r.status_code, len(r.content))
 
 
 def test_malformed_bodies_are_a_400(served):

@@ -101,5 +101,7 @@ def parse_body(raw: bytes) -> dict:
     if bad:
         where, i = bad
         param = where.split(".")[0].split("[")[0] if where != "body" else None
-        raise ApiError(400, f"{where}: not valid Unicode text (a lone surrogate at character {i})", param or where)
+        where = where if len(where) <= ECHO_CHARS else where[:ECHO_CHARS] + "..."  # a key may be megabytes long
+        param = (param or where)[:ECHO_CHARS]
+        raise ApiError(400, f"{where}: not valid Unicode text (a lone surrogate at character {i})", param)
     return body

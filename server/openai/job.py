@@ -38,7 +38,9 @@ class Job:
         out = []
         for pi, prompt in enumerate(self.prompts):
             for i in range(self.n):
-                seeded = self.params.seed is not None and i > 0
-                p = replace(self.params, seed=self.params.seed + i) if seeded else self.params
+                # choice i samples with seed + i, as the unsigned 64 bits every backend's generator takes
+                # (TensorRT-LLM's and Triton's seeds are uint64; torch folds a negative seed the same way)
+                seeded = self.params.seed is not None
+                p = replace(self.params, seed=(self.params.seed + i) % 2**64) if seeded else self.params
                 out.append((pi * self.n + i, pi, Request(prompt, p, f"{self.kind}-{self.id}-{pi * self.n + i}")))
         return out
