@@ -178,6 +178,22 @@ def test_bad_requests_get_a_final_error(engine):
         SamplingParams(top_p=0)
 
 
+def test_a_prompt_id_outside_the_vocabulary_fails_its_request_only(engine, hf):
+    """Token-id prompts reach the engine from Triton's input_ids too: an id past the embedding table is
+    refused when its request is admitted, and the requests beside it finish as they would alone."""
+    text = prompts(hf[1], 1)[0]
+
+    async def go():
+        return await asyncio.gather(collect(engine, Request(text, GREEDY)),
+                                    collect(engine, Request([1, 2, 10 ** 9], GREEDY)),
+                                    collect(engine, Request([5, -1], GREEDY)))
+
+    (_, ok), (_, big), (_, neg) = asyncio.run(go())
+    assert ok.finish_reason in ("stop", "length") and ok.token_ids
+    for f, bad in ((big, 10 ** 9), (neg, -1)):
+        assert f.finish_reason == "error" and f"token id {bad} is outside the model's vocabulary" in f.error
+
+
 def test_stop_matcher_holds_back_partial_matches():
     m = StopMatcher(["```\n", "</tool_call>"])
     assert m.feed("abc`") == ("abc", None, "")

@@ -121,7 +121,8 @@ class EmbeddedEngine(EngineBase):
                          if drafter is None else
                          SpeculativeStep(self.runner, self.stats, self._emit, *drafter, self.spec, self.spec_max_batch))
             self.scheduler = Scheduler(self.runner, self.max_batch_size, self.max_seq_len, self.max_input_len,
-                                       self.prefix_reuse, self.deterministic)
+                                       self.prefix_reuse, self.deterministic,
+                                       getattr(getattr(model, "config", None), "vocab_size", None))
             self.eos_ids = eos_ids(model, tokenizer)
         except BaseException as e:  # reported to the constructor's caller
             self._load_error = e

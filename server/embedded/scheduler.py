@@ -29,8 +29,9 @@ class Scheduler:
     """Waiting requests, slots and kept prefixes; its calls are the engine thread's, one at a time."""
 
     def __init__(self, runner: Any, max_batch_size: int, max_seq_len: int, max_input_len: int,
-                 prefix_reuse: bool = True, deterministic: bool = False):
+                 prefix_reuse: bool = True, deterministic: bool = False, vocab_size: Optional[int] = None):
         self.runner = runner
+        self.vocab_size = vocab_size  # prompt ids past it would index past the embedding table
         self.max_batch_size, self.max_seq_len, self.max_input_len = max_batch_size, max_seq_len, max_input_len
         self.prefix_reuse, self.deterministic = prefix_reuse, deterministic
         # by the Seq's identity, in arrival order: a cancelled request leaves in O(1) (a client that drops
@@ -80,6 +81,10 @@ class Scheduler:
         n = len(seq.prompt)
         if n == 0 or n > self.max_input_len:
             return seq, f"prompt of {n} tokens: must be 1..{self.max_input_len} (max_input_len)"
+        if self.vocab_size and not (0 <= min(seq.prompt) and max(seq.prompt) < self.vocab_size):
+            # refused here, not in the prefill: a bad id there fails the whole batch (on a GPU, the device)
+            bad = next(t for t in seq.prompt if not 0 <= t < self.vocab_size)
+            return seq, f"prompt token id {bad} is outside the model's vocabulary (0..{self.vocab_size - 1})"
         seq.max_new = min(seq.params.max_tokens, self.max_seq_len - n)
         if seq.max_new < 1:
             return seq, f"prompt of {n} tokens leaves no room below max_seq_len {self.max_seq_len}"
