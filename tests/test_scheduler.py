@@ -64,3 +64,21 @@ def test_cancelled_waiting_requests_leave_the_queue_and_the_rest_keep_their_orde
     assert first is seqs[1] and why == "" and first.slot == 0
     assert len(sched.waiting) == 999 and sched.in_flight()[0] is seqs[1]
     assert sched.drop_all() and sched.idle and not sched.by_id
+
+
+def test_only_requests_past_their_deadline_expire_and_ended_ones_are_forgotten():
+    import time
+
+    seqs = make_seqs(300, [4, 5])
+    now = time.monotonic()
+    for i, s in enumerate(seqs):  # every third has a deadline: two of those three past, one far ahead
+        s.stream.request.deadline = None if i % 3 else (now - 1 if i % 2 == 0 else now + 3600)
+    sched = Scheduler(SlotMoves(), max_batch_size=2, max_seq_len=64, max_input_len=32)
+    for s in seqs:
+        sched.add(s)
+    past = [s for s in seqs if s.req.deadline is not None and s.req.deadline < now]
+    sched.finish(past[0])  # ended before the check: not reported
+    assert sched.expired() == past[1:] and sched.expired() == []
+    for s in seqs:
+        sched.finish(s)
+    assert len(sched._deadlines) <= 64  # the far-ahead entries of ended requests do not pile up

@@ -17,6 +17,8 @@ In deterministic mode only whole aligned prefill chunks are reused (server/embed
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import time
 from collections import OrderedDict
 from typing import Any, Optional
@@ -40,6 +42,10 @@ class Scheduler:
         self.running: list[Seq] = []  # running[i].slot == i
         self.parked: dict[int, tuple[list[int], float]] = {}  # slot -> (tokens with KV, last use)
         self.by_id: dict[str, Seq] = {}  # every request not yet finished, waiting or running
+        # (deadline, arrival, seq) of requests with one, soonest first: each iteration's expiry check costs
+        # what has expired, not a walk over every request in flight (a queue may hold thousands)
+        self._deadlines: list[tuple[float, int, Seq]] = []
+        self._arrivals = itertools.count()
 
     @property
     def idle(self) -> bool:
@@ -52,14 +58,20 @@ class Scheduler:
     def add(self, seq: Seq) -> None:
         self.by_id[seq.req.request_id] = seq
         self.waiting[id(seq)] = seq
+        if seq.req.deadline is not None:
+            heapq.heappush(self._deadlines, (seq.req.deadline, next(self._arrivals), seq))
 
     def get(self, request_id: str) -> Optional[Seq]:
         return self.by_id.get(request_id)
 
     def expired(self) -> list[Seq]:
         """Requests in flight whose deadline has passed."""
-        now = time.monotonic()
-        return [s for s in self.in_flight() if s.req.deadline is not None and now >= s.req.deadline]
+        now, out = time.monotonic(), []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            seq = heapq.heappop(self._deadlines)[2]
+            if self.by_id.get(seq.req.request_id) is seq:  # not ended meanwhile
+                out.append(seq)
+        return out
 
     def batch(self) -> list[Seq]:
         """What the next decode step runs: every running sequence, in slot order (empty when none has
@@ -123,6 +135,9 @@ class Scheduler:
         if self.by_id.pop(seq.req.request_id, None) is None:
             return False
         self.waiting.pop(id(seq), None)
+        if len(self._deadlines) > 2 * len(self.by_id) + 64:  # ended requests' entries: drop them (amortised)
+            self._deadlines = [e for e in self._deadlines if self.by_id.get(e[2].req.request_id) is e[2]]
+            heapq.heapify(self._deadlines)
         if 0 <= seq.slot < len(self.running) and self.running[seq.slot] is seq:
             i, last = seq.slot, len(self.running) - 1
             if i != last:
@@ -138,7 +153,7 @@ class Scheduler:
         """Forget every request and every kept prefix without touching the cache (its state is unknown
         after a failed step), so the next requests start clean; returns those that had not ended."""
         live = [s for s in self.in_flight() if self.by_id.pop(s.req.request_id, None) is not None]
-        self.running, self.waiting = [], OrderedDict()
+        self.running, self.waiting, self._deadlines = [], OrderedDict(), []
         self.parked.clear()
         return live
 
