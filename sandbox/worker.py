@@ -32,11 +32,17 @@ STARTUP_SECONDS = 60.0
 GRACE_SECONDS = 3.0  # beyond a cell's own timeout before the host kills the whole worker
 KILL_WAIT_SECONDS = 5.0
 MAX_REPLY_BYTES = 16 << 20  # replies carry capped output only; more without a newline is garbage
-# With a pids cgroup, pids.max is the thread and process limit (it counts what it refuses);
-# RLIMIT_NPROC then stays one above it, so that it never refuses first.
-TASK_RLIMIT_SLACK = 1
 THREAD_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 _request_ids = itertools.count(1)
+
+
+# With a pids cgroup, pids.max is the thread and process limit (it counts what it refuses), and
+# RLIMIT_NPROC must never refuse first. It counts every process of the slot's uid, and a slot's uid
+# passes from a killed worker to the next, whose first cell can start while the last one's processes
+# (at most pids.max of them) are still being torn down: so twice the limit, plus one. (With one above
+# the limit a fork bomb sometimes ran into RLIMIT_NPROC and its result did not name the limit.)
+def task_rlimit(max_processes: int, counted: bool) -> int:
+    return 2 * max_processes + 1 if counted and max_processes else max_processes
 
 
 class WorkerDied(RuntimeError):
@@ -107,7 +113,7 @@ class Worker:
             "mode": mode, "workdir": workdir, "uid": isolation.slot_uid(slot, mechanism),
             "limits": config.limits.as_dict(), "preimports": list(config.preimports),
             "capture_bytes": config.capture_bytes, "env": THREAD_ENV, "isolate_ipc": isolated,
-            "task_rlimit": config.limits.max_processes + (TASK_RLIMIT_SLACK if counted else 0),
+            "task_rlimit": task_rlimit(config.limits.max_processes, counted),
             "fresh": {"tmpfs": list(isolation.PRIVATE_TMP), "tmpfs_mb": config.limits.tmpfs_mb,
                       "rebind": isolation.rebinds(config.python)} if isolated else None,
         }
