@@ -28,9 +28,10 @@ limit every time (so an upper bound for trained models, which stop at their EOS)
 H100's runs at 135M-3B (bench/scale-gpu-h100.json; past 3B a straight line's guess). The build's
 entry is the 135M-1.5B fit, measured before the batched FP8-KV price: the 3B build, after it, took
 55 s against 123 s at 1.5B, so a fit across both falls with size; the older one stays as the upper
-bound. On the CPU: the 2-core CI host at 135M and 0.5B (bench/scale-cpu.json), scaled by 2 / the
-host's cores. Quantize's figure is for two ModelOpt formats, scaled by the count still to make; a
-GGUF conversion and a TIR fine-tune source's training are not estimated.
+bound. On the CPU: the 2-core CI host at 135M and 0.5B, and 1.5B for merge and quantize
+(bench/scale-cpu.json), scaled by 2 / the host's cores. Quantize's figure is for two ModelOpt
+formats, scaled by the count still to make; a GGUF conversion and a TIR fine-tune source's training
+are not estimated.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2":
 STAGE_SECONDS = {
     "gpu": {"merge": (26.1, 14.7e-9), "quantize": (51.6, 26.4e-9), "drafter": (50.2, 6.1e-9),
             "build": (117.6, 1.85e-9)},
-    "cpu": {"merge": (43.0, 160e-9), "quantize": (56.6, 357e-9), "drafter": (195.6, 1038e-9),
+    "cpu": {"merge": (40.7, 171e-9), "quantize": (37.7, 444e-9), "drafter": (195.6, 1038e-9),
             "build": (35.9, 166e-9)},
 }
 MEASURED_CPU_CORES = 2
