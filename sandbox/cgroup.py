@@ -26,7 +26,9 @@ import itertools
 import os
 import re
 import signal
+import threading
 import time
+import uuid
 
 _counter = itertools.count()
 PREFIX = "sandbox-"
@@ -79,13 +81,28 @@ def _v1_base(controller: str = "memory", marker: str = "memory.limit_in_bytes") 
     return None
 
 
+def _probe_name(base: str) -> str:
+    """A test group's path no other probe uses: the cached probes below may run at once in two threads (a
+    pool starting workers), and a name of the pid alone made the second fail (EEXIST) and conclude, for
+    the life of the process, that the controller was not writable."""
+    return os.path.join(base, f"{PREFIX}probe-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+
+
+_PROBES = threading.Lock()  # one probe at a time: the first caller's result is cached for the rest
+
+
 @functools.lru_cache(maxsize=1)
 def available() -> tuple[str | None, str, str]:
     """(version 'v2' | 'v1' | None, base folder, reason). Probed once: makes and removes a test group."""
+    with _PROBES:
+        return _available()
+
+
+def _available() -> tuple[str | None, str, str]:
     for version, base in (("v2", _v2_base()), ("v1", _v1_base())):
         if base is None:
             continue
-        probe = os.path.join(base, f"{PREFIX}probe-{os.getpid()}")
+        probe = _probe_name(base)
         try:
             os.mkdir(probe)
             os.rmdir(probe)
@@ -99,10 +116,15 @@ def available() -> tuple[str | None, str, str]:
 @functools.lru_cache(maxsize=1)
 def pids_available() -> tuple[str | None, str, str]:
     """(version 'v2' | 'v1' | None, base folder, reason) for the pids controller, probed like `available()`."""
+    with _PROBES:
+        return _pids_available()
+
+
+def _pids_available() -> tuple[str | None, str, str]:
     for version, base in (("v2", _v2_base("pids")), ("v1", _v1_base("pids", "cgroup.procs"))):
         if base is None:
             continue
-        probe = os.path.join(base, f"{PREFIX}probe-{os.getpid()}")
+        probe = _probe_name(base)
         try:
             os.mkdir(probe)
             try:

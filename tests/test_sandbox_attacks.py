@@ -459,3 +459,30 @@ def test_garbled_or_out_of_order_replies_are_a_dead_worker(pool):
     r = pool.run("print(2)")
     assert r.status == "killed" and "failed" in r.feedback(), r
     healthy(pool)
+
+
+def test_cgroup_probes_at_once_or_beside_a_leftover_agree():
+    """The controller probes make a test group; run in several threads at once, or beside a test group a
+    killed harness of the same pid left, every probe must see what one probe alone sees (with the pid
+    alone in the name, the second mkdir failed and the pids limit went uncounted for the process's life)."""
+    import threading
+
+    from sandbox import cgroup
+
+    alone = (cgroup._available(), cgroup._pids_available())
+    for version, base, _ in alone:
+        if version is not None:  # a group named as the pid-only probe of old, left behind
+            os.makedirs(os.path.join(base, f"{cgroup.PREFIX}probe-{os.getpid()}"), exist_ok=True)
+    try:
+        results: list = []
+        threads = [threading.Thread(target=lambda: results.append((cgroup._available(), cgroup._pids_available())))
+                   for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert len(results) == 6 and all(r == alone for r in results), (alone, results)
+    finally:
+        for version, base, _ in alone:
+            if version is not None:
+                os.rmdir(os.path.join(base, f"{cgroup.PREFIX}probe-{os.getpid()}"))
