@@ -157,7 +157,7 @@ class RequestParser:
             prompts = [self._token_prompt(x, f"prompt[{i}]") for i, x in enumerate(prompt)]
         else:
             raise ApiError(400, "prompt is required: a string, a list of token ids, or a list of either "
-                                f"(got {prompt!r})"[:300], "prompt")
+                                f"(got {quoted(prompt)})", "prompt")
         job = self._common(body, "completion", prompts, "prompt")
         job.logprobs = number_field(body, "logprobs", None, 0, MAX_LOGPROBS, integer=True)
         return self._with_logprobs(job)
@@ -177,8 +177,8 @@ class RequestParser:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise ApiError(400, f"messages[{i}] must be an object with a role", f"messages[{i}].role")
             if m["role"] not in CHAT_ROLES:
-                raise ApiError(400, f"messages[{i}].role: {m['role']!r}"[:200]
-                               + f" is not one of {', '.join(CHAT_ROLES)}", f"messages[{i}].role")
+                raise ApiError(400, f"messages[{i}].role: {quoted(m['role'])} is not one of {', '.join(CHAT_ROLES)}",
+                               f"messages[{i}].role")
             c = m.get("content")
             if isinstance(c, list):
                 if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
