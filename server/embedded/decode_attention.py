@@ -206,7 +206,7 @@ BLOCK_N = 64  # keys a loop iteration reads (the smallest a launch configuration
 class SplitConfig(NamedTuple):
     """A launch configuration of the split kernel. (Swapping the dots' operands, so that a block's keys
     are the matrix multiply's M and a tile's few query rows its N, measured no faster over a bf16 cache
-    and 1.7-8x slower over an FP8 one: H100, 2026-12-07, bench/attention-forms-h100.json.)"""
+    and 1.15-8x slower over an FP8 one: H100, 2026-12-07, bench/attention-forms-h100.json.)"""
 
     block_n: int  # keys a loop iteration reads
     warps: int
