@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
+import os
 import statistics
 import sys
 import time
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -161,18 +163,45 @@ def agreement(model: Any, vocab: int, context: int, steps: int = 32, b: int = 4)
     return {"token_agreement": round(same / (steps * b), 4), "kl_mean": statistics.mean(kls)}
 
 
-def engine_decode(engine: Any, vocab: int, b: int, context: int, short: int, long: int) -> dict[str, float]:
+# How the engine rows' requests sample (`--sampling`): greedy, or the recipes' AIMO sampling (engines/mix.yaml),
+# drawn by the fused Triton draw (sample_kernel.py) or, as `recipe_eager`, by the eager one it replaced
+SAMPLINGS = {"greedy": {"temperature": 0.0}, "recipe": {"temperature": 0.7, "top_p": 0.95},
+             "recipe_eager": {"temperature": 0.7, "top_p": 0.95}}
+
+
+@contextlib.contextmanager
+def sampler_for(sampling: str) -> Iterator[None]:
+    """The device draw `sampling` names: the eager one for `recipe_eager` (FUSED_SAMPLER_ENV), else the default."""
+    from server.embedded import sampler
+
+    before = os.environ.get(sampler.FUSED_SAMPLER_ENV)
+    if sampling == "recipe_eager":
+        os.environ[sampler.FUSED_SAMPLER_ENV] = "0"
+    sampler.fused_sampler.cache_clear()
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(sampler.FUSED_SAMPLER_ENV, None)
+        else:
+            os.environ[sampler.FUSED_SAMPLER_ENV] = before
+        sampler.fused_sampler.cache_clear()
+
+
+def engine_decode(engine: Any, vocab: int, b: int, context: int, short: int, long: int,
+                  sampling: str = "greedy") -> dict[str, float]:
     """Decode tok/s of the whole engine at batch b: b requests admitted together, timed from the moment
     every one has its first token to the moment the first one ends, so every step in the window runs
     the full batch (a request that started a step late finishes a step late, alone). Tokens are
-    counted from each delta's token ids (a delta may carry several when the stream coalesces)."""
+    counted from each delta's token ids (a delta may carry several when the stream coalesces).
+    Requests sample as SAMPLINGS[sampling] says (seeded: every run draws the same tokens)."""
     from aimo_spec.protocol import Delta, Request, SamplingParams
 
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, vocab, (context,), generator=gen).tolist() for _ in range(b)]
 
-    async def one(p: list[int], n: int, deltas: list[tuple[float, int]]) -> float:
-        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    async def one(i: int, p: list[int], n: int, deltas: list[tuple[float, int]]) -> float:
+        params = SamplingParams(**SAMPLINGS[sampling], seed=i, max_tokens=n, ignore_eos=True)
         async for ev in engine.generate(Request(p, params)):
             if isinstance(ev, Delta) and ev.token_ids:
                 deltas.append((time.perf_counter(), len(ev.token_ids)))
@@ -180,7 +209,7 @@ def engine_decode(engine: Any, vocab: int, b: int, context: int, short: int, lon
 
     async def run(n: int) -> float:
         stamps: list[list[tuple[float, int]]] = [[] for _ in prompts]
-        ends = await asyncio.gather(*(one(p, n, stamps[i]) for i, p in enumerate(prompts)))
+        ends = await asyncio.gather(*(one(i, p, n, stamps[i]) for i, p in enumerate(prompts)))
         start = max(s[0][0] for s in stamps)  # every request is decoding from here on
         end = min(s[-1][0] for s in stamps)  # ... until the first one's last token
         if end <= start:  # one request ended before the last began: no full-batch window, take the whole run
@@ -222,7 +251,9 @@ def hf_compiled(model: Any, vocab: int, b: int, context: int, short: int, long: 
 
 def measure(shape: str, fmt: str, batches: list[int], contexts: list[int], dev: torch.device, bandwidth: float,
             steps: int, compile: bool, peers: bool, check: bool, kv_dtypes: tuple[str, ...] = ("auto",),
-            overlap_baseline: bool = False) -> list[dict]:
+            overlap_baseline: bool = False, samplings: tuple[str, ...] = ("greedy",)) -> list[dict]:
+    """Rows of runner and engine figures for one shape and weight format; the engine's with each of
+    `samplings` (the first as `engine_tok_s`, the others as `engine_<name>_tok_s` beside it)."""
     from server.embedded.engine import EmbeddedEngine
     from server.embedded.graph_runner import GraphRunner
 
@@ -269,8 +300,15 @@ def measure(shape: str, fmt: str, batches: list[int], contexts: list[int], dev: 
                                     overlap=overlap)
             try:
                 for row in kv_rows:
-                    e = engine_decode(engine, vocab, row["batch"], row["context"], 8, 8 + 2 * steps)
+                    for other in samplings[1:] if overlap else ():
+                        with sampler_for(other):
+                            e = engine_decode(engine, vocab, row["batch"], row["context"], 8, 8 + 2 * steps, other)
+                        log(f"{shape} {fmt} kv={kv} b={row['batch']} ctx={row['context']} {other}: engine {e}")
+                        row[f"engine_{other}_tok_s"] = e["tok_s"]
+                    with sampler_for(samplings[0]):
+                        e = engine_decode(engine, vocab, row["batch"], row["context"], 8, 8 + 2 * steps, samplings[0])
                     log(f"{shape} {fmt} kv={kv} b={row['batch']} ctx={row['context']} overlap={overlap}: engine {e}")
+                    row["sampling"] = samplings[0]
                     if not overlap:
                         row["engine_no_overlap_tok_s"] = e["tok_s"]
                         continue
@@ -309,7 +347,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="also measure the engine with overlap off (each step streamed before the next launch)")
     ap.add_argument("--no-peers", action="store_true", help="skip transformers' compiled generate")
     ap.add_argument("--no-check", action="store_true", help="skip the GraphRunner vs SlotRunner agreement")
+    ap.add_argument("--sampling", default="greedy",
+                    help="how the engine's requests sample, comma-separated (the first gives engine_tok_s): "
+                    + ", ".join(SAMPLINGS))
     args = ap.parse_args(argv)
+    samplings = tuple(args.sampling.split(","))
+    if not samplings or any(s not in SAMPLINGS for s in samplings):
+        ap.error(f"--sampling {args.sampling!r}: each of {', '.join(SAMPLINGS)}")
     dev = cuda_device("bench.gpu")
     if dev is None:
         return 2
@@ -322,7 +366,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             try:
                 rows += measure(shape, fmt, args.batches, args.contexts, dev, bw, args.steps, args.compile,
                                 not args.no_peers, not args.no_check, tuple(args.kv_cache.split(",")),
-                                args.overlap_baseline)
+                                args.overlap_baseline, samplings)
             except Exception as e:  # noqa: BLE001 - one failing configuration must not lose the others
                 import traceback
 

@@ -8,6 +8,9 @@ its logits only, not on which other requests share the batch.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import os
 from typing import Optional, Sequence
 
 import torch
@@ -159,21 +162,62 @@ def draw_device(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: S
 
     A row's draw depends only on its logits, its seed and `steps` (its number of tokens generated
     so far): not on the other rows, and not on when the host reads it."""
+    if all(p.temperature == 0 for p in params):
+        return torch.argmax(logits, -1)
+    if logits.is_cuda and fused_sampler():
+        return draw_fused(logits, params, seeds, steps)
+    return reference_draw(logits, params, seeds, steps)
+
+
+FUSED_SAMPLER_ENV = "EMBEDDED_FUSED_SAMPLER"  # "0": the eager draw on CUDA too (side-by-side measurements)
+
+
+@functools.lru_cache(maxsize=None)
+def fused_sampler() -> bool:
+    """Whether CUDA draws run `draw_fused` (Triton installed, not turned off by FUSED_SAMPLER_ENV)."""
+    return importlib.util.find_spec("triton") is not None and os.environ.get(FUSED_SAMPLER_ENV, "1") != "0"
+
+
+def _truncates(params: Sequence[SamplingParams]) -> bool:
+    return any(p.top_k or p.top_p < 1.0 for p in params)
+
+
+def draw_fused(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int], steps: Sequence[int]
+               ) -> torch.Tensor:
+    """`reference_draw`'s rule in one Triton launch (after the sort where a row truncates; the numbers
+    and their limits: sample_kernel.py). Float32 logits [n, V]; two host-to-device copies of settings."""
+    from server.embedded import sample_kernel
+
+    n, vocab = logits.shape
+    dev = logits.device
+    # the per-row settings go up without synchronizing (transfer.py): the host must not wait for the step
+    floats = to_device([[p.temperature for p in params], [p.top_p for p in params],
+                        [p.temperature or 1.0 for p in params]], torch.float32, dev)
+    ints = to_device([[int(s) & ((1 << 62) - 1) for s in seeds], list(steps), [p.top_k or vocab for p in params]],
+                     torch.long, dev)
+    logits = logits.float().contiguous()
+    if not _truncates(params):
+        return sample_kernel.draw_full(logits, floats[0], ints[0], ints[1])
+    vals, idx = torch.sort(logits / floats[2].unsqueeze(1), stable=True, dim=-1, descending=True)
+    return sample_kernel.draw_sorted(vals, idx, floats[0], ints[2], floats[1], ints[0], ints[1])
+
+
+def reference_draw(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int],
+                   steps: Sequence[int]) -> torch.Tensor:
+    """`draw_device` in eager PyTorch (115 ops, most over [n, V], where a row truncates; 97 where none
+    does): the CPU's path and the oracle of `draw_fused`'s tests."""
     vocab = logits.shape[1]
     dev = logits.device
     tokens = torch.argmax(logits, -1)
-    if all(p.temperature == 0 for p in params):
-        return tokens
-    # the per-row settings go up without synchronizing (transfer.py): the host must not wait for the step
     temps = to_device([p.temperature for p in params], torch.float32, dev)
     greedy = temps == 0
     seed_t = to_device([int(s) & ((1 << 62) - 1) for s in seeds], torch.long, dev)
     step_t = to_device(list(steps), torch.long, dev)
     scaled = logits / torch.where(greedy, torch.ones_like(temps), temps).unsqueeze(1)
-    if any(p.top_k or p.top_p < 1.0 for p in params):
+    if _truncates(params):
         top_k = to_device([p.top_k or vocab for p in params], torch.long, dev)
         top_p = to_device([p.top_p for p in params], torch.float32, dev)
-        vals, idx = torch.sort(scaled, -1, descending=True)
+        vals, idx = torch.sort(scaled, stable=True, dim=-1, descending=True)  # ties in token order
         probs = torch.softmax(vals, -1)
         keep = _keep_sorted(probs, top_k, top_p)
         noisy = torch.where(keep, vals + gumbel_noise(seed_t, step_t, idx), torch.full_like(vals, float("-inf")))

@@ -1,0 +1,143 @@
+"""The device sampler's draw as one Triton launch per step (two with the sort top-k / top-p needs).
+
+`sampler.reference_draw` is the rule in eager PyTorch: temperature, top-k and top-p as masks over the
+sorted row, the draw by Gumbel-max over noise hashed from (seed, step, token id). Eagerly that is 115
+torch ops a step with top-p, 97 without (counted with torch.profiler; most are elementwise over [rows,
+vocabulary], the hash alone some forty), each launched from Python: on a GPU the host spends about as
+long launching them as a small model's whole decode step, and the device runs them one after another.
+Here the mask, the noise and the argmax are one pass over each row in registers (with the settings'
+two copies up, the temperature's division and the sort: five launches with top-p, three without):
+
+- `draw_sorted` walks a row sorted by torch.sort (stable, so ties keep the token order): it sums the
+  top-k mass, then keeps tokens while the mass ranked above them is under top_p of it (at least one),
+  adds the token's noise and keeps the running best; it stops at the first block past the nucleus.
+- `draw_full` (no row truncates): logits / temperature + noise, argmax, in one read of the row.
+
+A greedy row takes the argmax of its logits (`draw_full`) or its sorted row's first token (the
+same token: a stable sort puts the first of equal maxima first, as argmax picks it).
+
+The noise is `sampler.gumbel_noise`'s, bit for bit in its integers; the kernels' exp and log are the
+GPU's fast forms, so a score may differ from the eager one in its last bits, and so may the top-p
+boundary where the mass above a token is within a rounding of top_p (the sums run in another order):
+the same distribution, and a draw that still depends only on the row's logits, seed and step.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+BLOCK = 1024  # tokens a loop iteration reads
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels():
+    # module globals: Triton's interpreter runs a kernel with its module's globals only, not this closure
+    global hash32, row_key, gumbel
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def hash32(x):  # lowbias32 on uint32 (sampler._hash32's numbers: its int64 ops masked to 32 bits)
+        x = x ^ (x >> 16)
+        x = x * 0x7FEB352D
+        x = x ^ (x >> 15)
+        x = x * 0x846CA68B
+        return x ^ (x >> 16)
+
+    @triton.jit
+    def row_key(seed_ptr, step_ptr, row):  # the hash of (seed, step) gumbel_noise mixes each token id into
+        s = tl.load(seed_ptr + row)
+        lo = s.to(tl.uint32)
+        hi = (s >> 32).to(tl.uint32) + 0x632BE5AB
+        st = tl.load(step_ptr + row).to(tl.uint32) * 0x9E3779B1 + 0x7F4A7C15
+        return hash32(hash32(lo) ^ hash32(hi) ^ hash32(st))
+
+    @triton.jit
+    def gumbel(key, tokens):
+        x = hash32(key ^ hash32(tokens.to(tl.uint32) + 0x2545F491))
+        u = ((x >> 8).to(tl.float32) + 0.5) / 16777216.0  # in (0, 1)
+        return -tl.log(-tl.log(u))
+
+    @triton.jit
+    def draw_full(logits_ptr, temp_ptr, seed_ptr, step_ptr, out_ptr, stride, V: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        temp = tl.load(temp_ptr + row)
+        greedy = temp == 0.0
+        key = row_key(seed_ptr, step_ptr, row)
+        best_v = tl.full((), float("-inf"), tl.float32)
+        best_t = tl.full((), 0, tl.int64)
+        for start in range(0, V, BLOCK):
+            t = start + tl.arange(0, BLOCK)
+            live = t < V
+            x = tl.load(logits_ptr + row * stride + t, mask=live, other=0.0).to(tl.float32)
+            score = tl.where(greedy, x, tl.math.div_rn(x, tl.where(greedy, 1.0, temp)) + gumbel(key, t))
+            score = tl.where(live, score, float("-inf"))
+            v = tl.max(score, 0)
+            i = tl.argmax(score, 0)
+            better = v > best_v  # strictly: the first of equal scores wins, as torch.argmax picks it
+            best_t = tl.where(better, (start + i).to(tl.int64), best_t)
+            best_v = tl.where(better, v, best_v)
+        tl.store(out_ptr + row, best_t)
+
+    @triton.jit
+    def draw_sorted(vals_ptr, idx_ptr, temp_ptr, topk_ptr, topp_ptr, seed_ptr, step_ptr, out_ptr, stride_v, stride_i,
+                    V: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        vrow = vals_ptr + row * stride_v
+        irow = idx_ptr + row * stride_i
+        first = tl.load(irow)
+        if tl.load(temp_ptr + row) == 0.0:  # greedy: the sorted row's first token
+            tl.store(out_ptr + row, first)
+        else:
+            k = tl.minimum(tl.load(topk_ptr + row), V)
+            m = tl.load(vrow)  # the row's largest scaled logit: the mass is counted relative to it
+            acc = tl.zeros((BLOCK,), tl.float32)
+            for start in range(0, V, BLOCK):  # the top-k mass (a constant trip count: the interpreter's need)
+                r = start + tl.arange(0, BLOCK)
+                acc += tl.where(r < k, tl.exp(tl.load(vrow + r, mask=r < k, other=0.0) - m), 0.0)
+            limit = tl.load(topp_ptr + row) * tl.sum(acc, 0)
+            key = row_key(seed_ptr, step_ptr, row)
+            best_v = tl.full((), float("-inf"), tl.float32)
+            best_t = first
+            above = tl.full((), 0.0, tl.float32)  # the mass ranked above the block
+            start = tl.full((), 0, tl.int32)
+            while (start < k) & ((above < limit) | (start == 0)):
+                r = start + tl.arange(0, BLOCK)
+                live = r < k
+                x = tl.load(vrow + r, mask=live, other=0.0)
+                e = tl.where(live, tl.exp(x - m), 0.0)
+                keep = live & ((above + tl.cumsum(e, 0) - e < limit) | (r == 0))
+                tokens = tl.load(irow + r, mask=live, other=0)
+                score = tl.where(keep, x + gumbel(key, tokens), float("-inf"))
+                v = tl.max(score, 0)
+                t = tl.sum(tl.where(tl.arange(0, BLOCK) == tl.argmax(score, 0), tokens, 0), 0)
+                better = v > best_v
+                best_t = tl.where(better, t, best_t)
+                best_v = tl.where(better, v, best_v)
+                above += tl.sum(e, 0)
+                start += BLOCK
+            tl.store(out_ptr + row, best_t)
+
+    return draw_full, draw_sorted
+
+
+def draw_full(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """Tokens [n] (int64) of logits [n, V] (float32) at temperatures [n] (0: greedy) with no truncation,
+    `seeds` and `steps` [n] (int64) seeding each row's noise."""
+    n, vocab = logits.shape
+    out = torch.empty(n, dtype=torch.long, device=logits.device)
+    _kernels()[0][(n,)](logits, temps, seeds, steps, out, logits.stride(0), V=vocab, BLOCK=BLOCK)
+    return out
+
+
+def draw_sorted(vals: torch.Tensor, idx: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor,
+                top_p: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """Tokens [n] of rows sorted in descending order (vals [n, V] float32 scaled logits, idx their token
+    ids, as a stable torch.sort gives them), with top-k [n] (the vocabulary for none), top-p [n]."""
+    n, vocab = vals.shape
+    out = torch.empty(n, dtype=torch.long, device=vals.device)
+    _kernels()[1][(n,)](vals, idx, temps, top_k, top_p, seeds, steps, out, vals.stride(0), idx.stride(0), V=vocab,
+                        BLOCK=BLOCK)
+    return out

@@ -1,0 +1,78 @@
+"""The fused device draw (server/embedded/sample_kernel.py, through sampler.draw_fused) against the eager
+rule it replaces (sampler.reference_draw): the same tokens for greedy, tempered, top-k and top-p rows,
+mixed in one batch, and a row's token independent of its batch.
+
+On CUDA the kernels run compiled; on a CPU with Triton installed under its interpreter (conftest.py
+sets TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from aimo_spec.protocol import SamplingParams
+from server.embedded.sampler import draw_fused, gumbel_noise, reference_draw
+
+CUDA = torch.cuda.is_available()
+pytestmark = pytest.mark.skipif(not (CUDA or importlib.util.find_spec("triton")),
+                                reason="needs CUDA or Triton's interpreter")
+DEVICE = "cuda" if CUDA else "cpu"
+VOCAB = 2500  # over two of the kernel's blocks, and not a multiple of one
+
+ROWS = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7), SamplingParams(temperature=1.3),
+        SamplingParams(temperature=0.7, top_p=0.95), SamplingParams(temperature=1.0, top_p=0.5),
+        SamplingParams(temperature=1.0, top_k=7), SamplingParams(temperature=0.9, top_k=40, top_p=0.8),
+        SamplingParams(temperature=2.0, top_p=0.999), SamplingParams(temperature=0.0, top_p=0.9)]
+
+
+def _logits(rows: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, VOCAB, generator=g) * 3
+    x[:, 5] = x[:, 9] = x.max() + 1  # a tie for the first place: the first of them is the greedy token
+    return x.to(DEVICE)
+
+
+@pytest.mark.parametrize("truncated", [False, True])
+def test_the_fused_draw_gives_the_eager_tokens(truncated):
+    rows = ROWS if truncated else [p for p in ROWS if not (p.top_k or p.top_p < 1.0)]
+    logits = _logits(len(rows), 1)
+    for step in (0, 1, 57):
+        seeds = [3 + i + (i << 40) for i in range(len(rows))]  # past 32 bits: both halves of the seed mix in
+        want = reference_draw(logits, rows, seeds, [step] * len(rows))
+        got = draw_fused(logits, rows, seeds, [step] * len(rows))
+        assert got.dtype == torch.long and got.tolist() == want.tolist(), step
+    greedy = [i for i, p in enumerate(rows) if p.temperature == 0]
+    assert all(got[i] == 5 for i in greedy)
+
+
+def test_a_fused_draw_depends_on_its_row_alone():
+    logits = _logits(len(ROWS), 2)
+    seeds, steps = list(range(100, 100 + len(ROWS))), list(range(len(ROWS)))
+    batch = draw_fused(logits, ROWS, seeds, steps).tolist()
+    for i, p in enumerate(ROWS):
+        assert draw_fused(logits[i:i + 1], [p], seeds[i:i + 1], steps[i:i + 1]).tolist() == [batch[i]]
+
+
+def test_the_fused_draw_keeps_to_the_nucleus():
+    """Over many seeds, a top-p row draws only inside its nucleus and a top-k row only its k best."""
+    logits = _logits(1, 3)
+    nucleus, topk = SamplingParams(temperature=1.0, top_p=0.3), SamplingParams(temperature=1.0, top_k=3)
+    n = 64
+    probs, order = torch.softmax(logits[0].float().cpu(), -1).sort(descending=True, stable=True)
+    inside = order[: int(((probs.cumsum(0) - probs) < 0.3).sum())].tolist()
+    for p, allowed in ((nucleus, inside), (topk, order[:3].tolist())):
+        got = draw_fused(logits.repeat(n, 1), [p] * n, list(range(n)), [0] * n).tolist()
+        assert set(got) <= set(allowed) and len(set(got)) > 1, p
+
+
+def test_the_kernel_noise_is_the_eager_noise():
+    """Its integers bit for bit: a temperature-1 draw over logits of zeros is the argmax of the noise."""
+    logits = torch.zeros(4, VOCAB, device=DEVICE)
+    seeds, steps = [0, 1, (1 << 62) - 1, 12345 << 33], [0, 7, 1 << 20, 3]
+    p = SamplingParams(temperature=1.0)
+    want = gumbel_noise(torch.tensor(seeds, device=DEVICE), torch.tensor(steps, device=DEVICE),
+                        torch.arange(VOCAB, device=DEVICE).view(1, -1)).argmax(-1)
+    assert draw_fused(logits, [p] * 4, seeds, steps).tolist() == want.tolist()
