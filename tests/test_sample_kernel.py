@@ -76,3 +76,28 @@ def test_the_kernel_noise_is_the_eager_noise():
     want = gumbel_noise(torch.tensor(seeds, device=DEVICE), torch.tensor(steps, device=DEVICE),
                         torch.arange(VOCAB, device=DEVICE).view(1, -1)).argmax(-1)
     assert draw_fused(logits, [p] * 4, seeds, steps).tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("truncated", [False, True])
+def test_the_fused_acceptance_gives_the_eager_verdicts(truncated):
+    """Kept drafts and next tokens as speculative.reference_accept decides them, for drafts that are the
+    target's likely tokens, unlikely ones and out of the nucleus, at several steps."""
+    from server.embedded.speculative import accept_fused, reference_accept
+
+    rows = ROWS if truncated else [p for p in ROWS if not (p.top_k or p.top_p < 1.0)]
+    n, L = len(rows), 3
+    g = torch.Generator().manual_seed(4)
+    logits = (torch.randn(n, L + 1, VOCAB, generator=g) * 2).to(DEVICE)
+    order = logits.argsort(dim=-1, descending=True, stable=True)
+    kinds = [order[:, :L, 0], order[:, :L, 1], order[:, :L, 50],
+             torch.randint(0, VOCAB, (n, L), generator=g).to(DEVICE)]
+    verdicts = set()
+    for step, drafts in enumerate(kinds):
+        drafts = drafts.clone()
+        drafts[::2, 1] = order[::2, 1, 0]  # mixed runs: a likely draft after an unlikely one
+        seeds = [11 + i + (i << 35) for i in range(n)]
+        want = reference_accept(logits, drafts, rows, seeds, [step] * n)
+        got = accept_fused(logits, drafts, rows, seeds, [step] * n)
+        assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist(), step
+        verdicts |= set(got[0].tolist())
+    assert {0, L} <= verdicts  # rows rejected at once and rows that kept every draft

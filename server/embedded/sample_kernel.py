@@ -13,6 +13,11 @@ two copies up, the temperature's division and the sort: five launches with top-p
   adds the token's noise and keeps the running best; it stops at the first block past the nucleus.
 - `draw_full` (no row truncates): logits / temperature + noise, argmax, in one read of the row.
 
+- `accept` (speculative.accept_device's rule): one program a row walks the nuclei of its L+1 positions
+  (sorted, or the whole row where no row truncates): each draft's share of its position's nucleus
+  against the row's seeded uniform, and at the first rejection the noisy best of the nucleus without
+  the rejected draft (with every draft kept, of the last position's).
+
 A greedy row takes the argmax of its logits (`draw_full`) or its sorted row's first token (the
 same token: a stable sort puts the first of equal maxima first, as argmax picks it).
 
@@ -25,6 +30,7 @@ the same distribution, and a draw that still depends only on the row's logits, s
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 
@@ -34,7 +40,7 @@ BLOCK = 1024  # tokens a loop iteration reads
 @functools.lru_cache(maxsize=None)
 def _kernels():
     # module globals: Triton's interpreter runs a kernel with its module's globals only, not this closure
-    global hash32, row_key, gumbel
+    global hash32, row_key, gumbel, nucleus
     import triton
     import triton.language as tl
 
@@ -47,11 +53,10 @@ def _kernels():
         return x ^ (x >> 16)
 
     @triton.jit
-    def row_key(seed_ptr, step_ptr, row):  # the hash of (seed, step) gumbel_noise mixes each token id into
-        s = tl.load(seed_ptr + row)
+    def row_key(s, step):  # the hash of (seed, step) that gumbel_noise mixes each token id into
         lo = s.to(tl.uint32)
         hi = (s >> 32).to(tl.uint32) + 0x632BE5AB
-        st = tl.load(step_ptr + row).to(tl.uint32) * 0x9E3779B1 + 0x7F4A7C15
+        st = step.to(tl.uint32) * 0x9E3779B1 + 0x7F4A7C15
         return hash32(hash32(lo) ^ hash32(hi) ^ hash32(st))
 
     @triton.jit
@@ -65,7 +70,7 @@ def _kernels():
         row = tl.program_id(0)
         temp = tl.load(temp_ptr + row)
         greedy = temp == 0.0
-        key = row_key(seed_ptr, step_ptr, row)
+        key = row_key(tl.load(seed_ptr + row), tl.load(step_ptr + row))
         best_v = tl.full((), float("-inf"), tl.float32)
         best_t = tl.full((), 0, tl.int64)
         for start in range(0, V, BLOCK):
@@ -98,7 +103,7 @@ def _kernels():
                 r = start + tl.arange(0, BLOCK)
                 acc += tl.where(r < k, tl.exp(tl.load(vrow + r, mask=r < k, other=0.0) - m), 0.0)
             limit = tl.load(topp_ptr + row) * tl.sum(acc, 0)
-            key = row_key(seed_ptr, step_ptr, row)
+            key = row_key(tl.load(seed_ptr + row), tl.load(step_ptr + row))
             best_v = tl.full((), float("-inf"), tl.float32)
             best_t = first
             above = tl.full((), 0.0, tl.float32)  # the mass ranked above the block
@@ -120,7 +125,96 @@ def _kernels():
                 start += BLOCK
             tl.store(out_ptr + row, best_t)
 
-    return draw_full, draw_sorted
+    @triton.jit
+    def nucleus(vrow, irow, m, k, limit, exclude, key, SORTED: tl.constexpr, V: tl.constexpr, BLOCK: tl.constexpr):
+        """A row's walk over its nucleus, as draw_sorted's (tokens are positions where not SORTED): (its
+        mass, token `exclude`'s share of it, the best noisy token other than `exclude`, the best)."""
+        kept = tl.full((), 0.0, tl.float32)
+        share = tl.full((), 0.0, tl.float32)
+        best_x = tl.full((), float("-inf"), tl.float32)
+        tok_x = tl.full((), 0, tl.int64)
+        best_i = tl.full((), float("-inf"), tl.float32)
+        tok_i = tl.full((), 0, tl.int64)
+        above = tl.full((), 0.0, tl.float32)
+        start = tl.full((), 0, tl.int32)
+        while (start < k) & ((above < limit) | (start == 0)):
+            r = start + tl.arange(0, BLOCK)
+            live = r < k
+            x = tl.load(vrow + r, mask=live, other=0.0)
+            e = tl.where(live, tl.exp(x - m), 0.0)
+            keep = live & ((above + tl.cumsum(e, 0) - e < limit) | (r == 0))
+            if SORTED:
+                tokens = tl.load(irow + r, mask=live, other=0)
+            else:
+                tokens = r.to(tl.int64)
+            kept += tl.sum(tl.where(keep, e, 0.0), 0)
+            share += tl.sum(tl.where(keep & (tokens == exclude), e, 0.0), 0)
+            score = tl.where(keep, x + gumbel(key, tokens), float("-inf"))
+            v = tl.max(score, 0)
+            t = tl.sum(tl.where(tl.arange(0, BLOCK) == tl.argmax(score, 0), tokens, 0), 0)
+            better = v > best_i
+            tok_i = tl.where(better, t, tok_i)
+            best_i = tl.where(better, v, best_i)
+            score = tl.where(tokens == exclude, float("-inf"), score)
+            v = tl.max(score, 0)
+            t = tl.sum(tl.where(tl.arange(0, BLOCK) == tl.argmax(score, 0), tokens, 0), 0)
+            better = v > best_x
+            tok_x = tl.where(better, t, tok_x)
+            best_x = tl.where(better, v, best_x)
+            above += tl.sum(e, 0)
+            start += BLOCK
+        return kept, share, tok_x, tok_i
+
+    @triton.jit
+    def accept(vals_ptr, idx_ptr, drafts_ptr, temp_ptr, topk_ptr, topp_ptr, seed_ptr, step_ptr, keep_ptr, next_ptr,
+               stride_v, stride_i, L: tl.constexpr, V: tl.constexpr, SORTED: tl.constexpr, BLOCK: tl.constexpr):
+        b = tl.program_id(0)
+        greedy = tl.load(temp_ptr + b) == 0.0
+        k = tl.minimum(tl.load(topk_ptr + b), V)
+        top_p = tl.load(topp_ptr + b)
+        seed, step = tl.load(seed_ptr + b), tl.load(step_ptr + b)
+        key_u = row_key(seed, step)  # the drafts' uniforms
+        key_draw = row_key(seed, step + (1 << 20))  # the next token's noise
+        running = tl.full((), 1, tl.int1)
+        keep = tl.full((), 0, tl.int32)
+        nxt = tl.full((), 0, tl.int64)
+        for j in tl.static_range(L + 1):
+            vrow = vals_ptr + (b * (L + 1) + j) * stride_v
+            irow = idx_ptr + (b * (L + 1) + j) * stride_i
+            if SORTED:  # largest first, ties in token order
+                m = tl.load(vrow)
+                first = tl.load(irow)
+            else:
+                m = tl.full((), float("-inf"), tl.float32)
+                first = tl.full((), 0, tl.int64)
+                for start in range(0, V, BLOCK):
+                    r = start + tl.arange(0, BLOCK)
+                    x = tl.load(vrow + r, mask=r < V, other=float("-inf"))
+                    v = tl.max(x, 0)
+                    first = tl.where(v > m, (start + tl.argmax(x, 0)).to(tl.int64), first)
+                    m = tl.maximum(m, v)
+            acc = tl.zeros((BLOCK,), tl.float32)
+            for start in range(0, V, BLOCK):  # the top-k mass
+                r = start + tl.arange(0, BLOCK)
+                acc += tl.where(r < k, tl.exp(tl.load(vrow + r, mask=r < k, other=0.0) - m), 0.0)
+            if j < L:
+                d = tl.load(drafts_ptr + b * L + j)
+            else:
+                d = tl.full((), -1, tl.int64)
+            kept, share, tok_x, tok_i = nucleus(vrow, irow, m, k, top_p * tl.sum(acc, 0), d, key_draw, SORTED, V,
+                                                BLOCK)
+            if j < L:  # draft j kept with probability P_j(d_j); at the first rejection, P_j without d_j
+                u = tl.exp(-tl.exp(-gumbel(key_u, tl.full((), j + 0x51ED, tl.int64))))
+                ok = tl.where(greedy, d == first, u < share / kept)
+                nxt = tl.where(running & (ok == 0), tl.where(greedy, first, tok_x), nxt)
+                keep += (running & ok).to(tl.int32)
+                running = running & ok
+            else:  # every draft kept: the next token from P_L
+                nxt = tl.where(running, tl.where(greedy, first, tok_i), nxt)
+        tl.store(keep_ptr + b, keep.to(tl.int64))
+        tl.store(next_ptr + b, nxt)
+
+    return draw_full, draw_sorted, accept
 
 
 def draw_full(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
@@ -141,3 +235,19 @@ def draw_sorted(vals: torch.Tensor, idx: torch.Tensor, temps: torch.Tensor, top_
     _kernels()[1][(n,)](vals, idx, temps, top_k, top_p, seeds, steps, out, vals.stride(0), idx.stride(0), V=vocab,
                         BLOCK=BLOCK)
     return out
+
+
+def accept(vals: torch.Tensor, idx: Optional[torch.Tensor], drafts: torch.Tensor, temps: torch.Tensor,
+           top_k: torch.Tensor, top_p: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative acceptance (speculative.accept_device's rule) for n rows of L drafts [n, L]: vals
+    [n * (L+1), V] the scaled logits of each row's L+1 positions, sorted with their token ids `idx`
+    where a row truncates (None: unsorted, no row truncates). Returns (kept drafts [n], next token [n])."""
+    n, L = drafts.shape
+    vocab = vals.shape[1]
+    keep = torch.empty(n, dtype=torch.long, device=vals.device)
+    nxt = torch.empty(n, dtype=torch.long, device=vals.device)
+    ids = vals if idx is None else idx  # an unused pointer where unsorted
+    _kernels()[2][(n,)](vals, ids, drafts, temps, top_k, top_p, seeds, steps, keep, nxt, vals.stride(0),
+                        ids.stride(0), L=L, V=vocab, SORTED=idx is not None, BLOCK=BLOCK)
+    return keep, nxt

@@ -30,7 +30,8 @@ from typing import Optional, Sequence
 import torch
 
 from aimo_spec.protocol import SamplingParams
-from server.embedded.sampler import _keep_sorted, draw, gumbel_noise, row_distribution
+from server.embedded.sampler import _keep_sorted, _truncates, draw, fused_sampler, gumbel_noise, row_distribution
+from server.embedded.transfer import to_device
 
 # Largest running batch that still drafts, per device type, when the recipe leaves it at 0; above it
 # the engine decodes one token per step. Measured by `make bench` (server/bench/speculative.py) on the
@@ -95,7 +96,36 @@ def _uniform(seeds: torch.Tensor, steps: torch.Tensor, salt: torch.Tensor) -> to
 def accept_device(logits: torch.Tensor, drafts: torch.Tensor, params: Sequence[SamplingParams],
                   seeds: Sequence[int], steps: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """`accept_host` batched on the logits' device: returns (kept drafts [n], next token [n]) as
-    device tensors, so the step needs one transfer. logits [n, L+1, V], drafts [n, L] (long)."""
+    device tensors, so the step needs one transfer. logits [n, L+1, V], drafts [n, L] (long).
+    On CUDA one Triton launch after the sort (`accept_fused`), else `reference_accept`."""
+    if logits.is_cuda and fused_sampler():
+        return accept_fused(logits, drafts, params, seeds, steps)
+    return reference_accept(logits, drafts, params, seeds, steps)
+
+
+def accept_fused(logits: torch.Tensor, drafts: torch.Tensor, params: Sequence[SamplingParams],
+                 seeds: Sequence[int], steps: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`reference_accept`'s rule as sample_kernel.accept: a stable sort of the scaled logits where a row
+    truncates, then one program a row walks its L+1 nuclei (the draft's share, the uniforms, the draw)."""
+    from server.embedded import sample_kernel
+
+    n, t, vocab = logits.shape
+    dev = logits.device
+    floats = to_device([[p.temperature for p in params], [p.top_p for p in params],
+                        [p.temperature or 1.0 for p in params]], torch.float32, dev)
+    ints = to_device([[int(s) & ((1 << 62) - 1) for s in seeds], list(steps), [p.top_k or vocab for p in params]],
+                     torch.long, dev)
+    scaled = (logits.float() / floats[2].view(n, 1, 1)).view(n * t, vocab)
+    idx = None
+    if _truncates(params):
+        scaled, idx = torch.sort(scaled, stable=True, dim=-1, descending=True)
+    return sample_kernel.accept(scaled, idx, drafts.long().contiguous(), floats[0], ints[2], floats[1], ints[0],
+                                ints[1])
+
+
+def reference_accept(logits: torch.Tensor, drafts: torch.Tensor, params: Sequence[SamplingParams],
+                     seeds: Sequence[int], steps: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`accept_device` in eager PyTorch: the CPU's path and the oracle of `accept_fused`'s tests."""
     n, t, vocab = logits.shape
     L = t - 1
     dev = logits.device
@@ -111,7 +141,7 @@ def accept_device(logits: torch.Tensor, drafts: torch.Tensor, params: Sequence[S
     top_k = torch.tensor([p.top_k or vocab for p in params], dtype=torch.long, device=dev)
     top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
     scaled = logits.float() / torch.where(greedy, torch.ones_like(temps), temps).view(n, 1, 1)
-    vals, idx = torch.sort(scaled.view(n * t, vocab), -1, descending=True)
+    vals, idx = torch.sort(scaled.view(n * t, vocab), stable=True, dim=-1, descending=True)
     probs = torch.softmax(vals, -1)
     keep_mask = _keep_sorted(probs, top_k.repeat_interleave(t), top_p.repeat_interleave(t))
     probs = torch.where(keep_mask, probs, torch.zeros_like(probs))
