@@ -88,6 +88,22 @@ def test_rope_write_kv_rotates_q_and_writes_rotated_k_and_v_to_their_slots(dtype
 
 
 @needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_write_kv_adds_the_bias_the_gemm_left_out(dtype):
+    """The q/k/v projection's bias added in the kernel: the same as rotating and writing `qkv + bias`."""
+    from server.embedded.fused_ops import rope_write_kv
+
+    qkv, cos, sin, kc, vc, rows, pos, nq, nkv, d, _ = _qkv_case(dtype)
+    bias = torch.randn(qkv.shape[1], generator=torch.Generator().manual_seed(5)).to(DEVICE, dtype)
+    kc2, vc2 = kc.clone(), vc.clone()
+    q = rope_write_kv(qkv, cos, sin, kc, vc, rows, pos, nq, nkv, bias=bias)
+    want_q = rope_write_kv(qkv + bias, cos, sin, kc2, vc2, rows, pos, nq, nkv)
+    assert torch.equal(q, want_q) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    with pytest.raises(ValueError, match="bias"):
+        rope_write_kv(qkv, cos, sin, kc, vc, rows, pos, nq, nkv, bias=bias[:-1])
+
+
+@needs_triton
 def test_rope_write_kv_quantizes_for_an_fp8_cache():
     from server.embedded.fused_ops import rope_write_kv
 

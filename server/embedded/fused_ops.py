@@ -80,15 +80,19 @@ def _kernels():
         tl.store(out_ptr + row * stride_o + c, out, mask=live)
 
     @triton.jit
-    def rope_write_kv(qkv_ptr, cos_ptr, sin_ptr, q_out_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, rows_ptr, pos_ptr,
-                      stride_t, stride_cos, stride_qt, stride_cs, stride_ch, stride_cp, stride_ss, stride_sh,
-                      NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, FP8: tl.constexpr):
+    def rope_write_kv(qkv_ptr, bias_ptr, cos_ptr, sin_ptr, q_out_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, rows_ptr,
+                      pos_ptr, stride_t, stride_cos, stride_qt, stride_cs, stride_ch, stride_cp, stride_ss, stride_sh,
+                      NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, FP8: tl.constexpr, BIAS: tl.constexpr):
         tok, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
         half = tl.arange(0, D // 2)
         p = tl.load(pos_ptr + tok).to(tl.int64)
         base = qkv_ptr + tok * stride_t + head * D
-        x1 = tl.load(base + half).to(tl.float32)
-        x2 = tl.load(base + D // 2 + half).to(tl.float32)
+        x1 = tl.load(base + half)
+        x2 = tl.load(base + D // 2 + half)
+        if BIAS:  # the projection's bias, added as `linear(x) + bias` adds it (rounded to the model's dtype)
+            x1 = (x1.to(tl.float32) + tl.load(bias_ptr + head * D + half).to(tl.float32)).to(x1.dtype)
+            x2 = (x2.to(tl.float32) + tl.load(bias_ptr + head * D + D // 2 + half).to(tl.float32)).to(x2.dtype)
+        x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
         c1 = tl.load(cos_ptr + p * stride_cos + half).to(tl.float32)
         c2 = tl.load(cos_ptr + p * stride_cos + D // 2 + half).to(tl.float32)
         s1 = tl.load(sin_ptr + p * stride_cos + half).to(tl.float32)
@@ -106,8 +110,13 @@ def _kernels():
             slot = tl.load(rows_ptr + tok).to(tl.int64)
             at = slot * stride_cs + h * stride_ch + p * stride_cp
             v_base = qkv_ptr + tok * stride_t + (NQ + NKV + h) * D
-            v1 = tl.load(v_base + half).to(tl.float32)
-            v2 = tl.load(v_base + D // 2 + half).to(tl.float32)
+            v1 = tl.load(v_base + half)
+            v2 = tl.load(v_base + D // 2 + half)
+            if BIAS:
+                b_base = bias_ptr + (NQ + NKV + h) * D
+                v1 = (v1.to(tl.float32) + tl.load(b_base + half).to(tl.float32)).to(v1.dtype)
+                v2 = (v2.to(tl.float32) + tl.load(b_base + D // 2 + half).to(tl.float32)).to(v2.dtype)
+            v1, v2 = v1.to(tl.float32), v2.to(tl.float32)
             k1, k2 = o1.to(tl.float32), o2.to(tl.float32)
             if FP8:  # decode_attention.quantize_kv's numbers: one scale a vector, its amax / 448
                 ks = tl.maximum(tl.maximum(tl.max(tl.abs(k1), 0), tl.max(tl.abs(k2), 0)) / 448.0, 1e-12)
@@ -174,11 +183,14 @@ def add_rms_norm(residual: torch.Tensor, delta: Optional[torch.Tensor], weight: 
 
 def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, num_heads: int, num_kv_heads: int,
-                  k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """For the N tokens of a fused q/k/v output `qkv` [N, (nq + 2 nkv) d]: RoPE at positions `pos` [N]
-    (cos/sin tables [positions, d]) on the q and k heads; cache[rows[i], :, pos[i]] := rotated k and v
-    (quantized, with scales, for an FP8 cache, as decode_attention.write_kv); returns the rotated q
-    [N, nq, d]. One launch for what eager ops do in about fifteen."""
+                  k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None,
+                  bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """For the N tokens of a fused q/k/v output `qkv` [N, (nq + 2 nkv) d] (plus `bias` [(nq + 2 nkv) d]
+    where the GEMM left it out): RoPE at positions `pos` [N] (cos/sin tables [positions, d]) on the q
+    and k heads; cache[rows[i], :, pos[i]] := rotated k and v (quantized, with scales, for an FP8 cache,
+    as decode_attention.write_kv); returns the rotated q [N, nq, d]. One launch for what eager ops do
+    in about fifteen (the bias: at one row torch adds a linear's bias with a copy kernel of its own,
+    as cuBLASLt's bias epilogue takes two rows or more)."""
     _rows(qkv, "rope_write_kv qkv")
     d = k_cache.shape[-1]
     n = qkv.shape[0]
@@ -188,13 +200,17 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
                          f" with N rows and positions (got {rows.numel()} and {pos.numel()})")
     if d & (d - 1) or d < 4 or k_cache.stride(-1) != 1 or cos.stride(-1) != 1 or cos.stride() != sin.stride():
         raise ValueError("rope_write_kv: head_dim must be a power of two, the cache's and tables' last dim contiguous")
+    if bias is not None and (bias.shape != (qkv.shape[1],) or bias.stride(0) != 1):
+        raise ValueError(f"rope_write_kv: bias {tuple(bias.shape)} is not a contiguous [{qkv.shape[1]}]")
     q = torch.empty((n, num_heads, d), dtype=qkv.dtype, device=qkv.device)
     fp8 = k_scale is not None
     ks, vs = (k_scale, v_scale) if fp8 else (k_cache, v_cache)  # unused pointers for a model-dtype cache
     _kernels()[1][(n, num_heads + num_kv_heads)](
-        qkv, cos, sin, q, k_cache, v_cache, ks, vs, rows.contiguous(), pos.contiguous(), qkv.stride(0), cos.stride(0),
+        qkv, qkv if bias is None else bias, cos, sin, q, k_cache, v_cache, ks, vs, rows.contiguous(), pos.contiguous(),
+        qkv.stride(0), cos.stride(0),
         q.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        ks.stride(0) if fp8 else 0, ks.stride(1) if fp8 else 0, NQ=num_heads, NKV=num_kv_heads, D=d, FP8=fp8)
+        ks.stride(0) if fp8 else 0, ks.stride(1) if fp8 else 0, NQ=num_heads, NKV=num_kv_heads, D=d, FP8=fp8,
+        BIAS=bias is not None)
     return q
 
 

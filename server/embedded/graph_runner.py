@@ -84,6 +84,16 @@ def context_bucket(length: int, max_seq_len: int) -> int:
     return min(c, max_seq_len)
 
 
+class _Concatenated:
+    """Plain linears of one input as one GEMM: their weights (and biases) concatenated."""
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor]):
+        self.weight, self.bias = weight, bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
 def _fuse(mods: list[Any]) -> Callable[[torch.Tensor], torch.Tensor]:
     """One callable computing the concatenated outputs of several linear layers of the same input."""
     if all(type(m) is torch.nn.Linear for m in mods):
@@ -92,7 +102,7 @@ def _fuse(mods: list[Any]) -> Callable[[torch.Tensor], torch.Tensor]:
         b = torch.cat([x.detach() for x in bias], 0) if all(x is not None for x in bias) else None
         if any(x is not None for x in bias) and b is None:
             return lambda x: torch.cat([m(x) for m in mods], -1)
-        return lambda x: F.linear(x, w, b)
+        return _Concatenated(w, b)
     if (all(isinstance(m, Int8WeightOnlyLinear) for m in mods)
             and all((m.bias is None) == (mods[0].bias is None) for m in mods)):
         fused = Int8WeightOnlyLinear(torch.cat([m.weight for m in mods], 0), torch.cat([m.scale for m in mods], 0),
@@ -129,6 +139,10 @@ class _Layer:
             self.qkv = lambda x: torch.cat([a.q_proj(x), a.k_proj(x), a.v_proj(x)], -1)
             self.gate_up = lambda x: torch.cat([m.gate_proj(x), m.up_proj(x)], -1)
         self.o_proj, self.down, self.act = a.o_proj, m.down_proj, m.act_fn
+        # the fused path's q/k/v GEMM without its bias where the RoPE kernel after it adds the bias (at one
+        # row torch adds a bias with a kernel of its own: cuBLASLt's bias epilogue wants two rows)
+        self.qkv_bias = self.qkv.bias if isinstance(self.qkv, _Concatenated) else None
+        self.qkv_gemm = _Concatenated(self.qkv.weight, None) if self.qkv_bias is not None else self.qkv
         # FP8 GEMMs whose input the fused kernel before them quantizes (None: it stays in the model's dtype)
         self.qkv_fp8, self.o_fp8, self.gate_up_fp8, self.down_fp8 = (
             p.e4m3_input_scale() if isinstance(p, Fp8Linear) else None
@@ -283,8 +297,8 @@ class GraphRunner(BaseRunner):
             h, x = add_rms_norm(h, None, first.norm1.weight, first.norm_eps, q8(first.qkv_fp8))
         for i, layer in enumerate(self.layers):
             if fused:  # RoPE at each token's position and the K/V write in one launch
-                q = rope_write_kv(project(layer.qkv, x), self.cos, self.sin, self.k[i], self.v[i], write_rows, pos,
-                                  nq, nkv, *self._scales(i)).view(b * t, nq, d)
+                q = rope_write_kv(project(layer.qkv_gemm, x), self.cos, self.sin, self.k[i], self.v[i], write_rows,
+                                  pos, nq, nkv, *self._scales(i), bias=layer.qkv_bias).view(b * t, nq, d)
             else:
                 q, k, v = layer.pre(h, cos, sin, nq, nkv, d)
                 if cuda:  # one launch for both caches (and FP8's quantization)
