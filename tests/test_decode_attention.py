@@ -129,6 +129,30 @@ def test_split_kv_attention_quantizes_its_output_as_the_quantize_kernel_does(fp8
 
 
 @pytest.mark.skipif(not (CUDA or HAS_TRITON), reason="needs CUDA or Triton's interpreter")
+@pytest.mark.parametrize("case", CASES)
+def test_the_one_pass_form_combines_as_the_combine_kernel_does(case):
+    """With counters, the last program of each (row, KV head) combines the partials in the split launch:
+    the two-launch form's bytes (the same combine code), the e4m3 output included, and the counters are
+    zero again after every launch (CUDA graphs replay with them as captured)."""
+    b, t, nq, nkv, d, slots, positions, ctx, fp8, programs = case
+    from server.embedded.decode_attention import one_pass_counters, split_kv_attention
+
+    dtype, device = (torch.bfloat16, "cuda") if CUDA else (torch.float16, "cpu")
+    q, k, v, rows, pos, ks, vs = _case(b, t, nq, nkv, d, slots, positions, ctx, fp8, dtype, device, programs)
+    counters = one_pass_counters(b + 1, nkv, torch.device(device))
+    scale = torch.tensor(0.002, device=device)
+    for out_scale in (None, scale):
+        want = split_kv_attention(q, k, v, rows, pos, ctx, d ** -0.5, ks, vs, programs=programs, out_scale=out_scale)
+        for _ in range(2):
+            got = split_kv_attention(q, k, v, rows, pos, ctx, d ** -0.5, ks, vs, programs=programs,
+                                     out_scale=out_scale, counters=counters)
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+            assert not counters.any()
+    with pytest.raises(ValueError, match="counters"):
+        split_kv_attention(q, k, v, rows, pos, ctx, d ** -0.5, ks, vs, counters=counters[:1].long())
+
+
+@pytest.mark.skipif(not (CUDA or HAS_TRITON), reason="needs CUDA or Triton's interpreter")
 @pytest.mark.parametrize("fp8", [False, True])
 def test_write_kv_writes_what_indexing_writes(fp8):
     from server.embedded.decode_attention import write_kv

@@ -8,9 +8,10 @@ whose keys fill the context (the CUDA graph's bucket; `--fill` of it, as rows pa
 do): SDPA with the group's query heads as query rows (`rows`), SDPA's grouped-query form (`gqa`),
 the split-KV Triton kernel over a bf16 cache (`split`) and over an FP8 cache with per-vector scales
 (`split_fp8`), the latter also with its scores as an e4m3 dot (`split_fp8_scores`: the query quantized
-a row, `SplitConfig.fp8_scores`). Each is timed as a CUDA-graph replay of 20 calls
-(median of 5), as the engine runs it; the bound is the cache bytes the call must read over the
-measured copy bandwidth. Each form's output is checked against `reference_attention` first.
+a row, `SplitConfig.fp8_scores`), and both caches' one-pass forms (`split_one_pass`, `split_fp8_one_pass`:
+the last program of a row's KV head combines the partials, one launch instead of two). Each is timed
+as a CUDA-graph replay of 20 calls (median of 5), as the engine runs it; the bound is the cache bytes
+the call must read over the measured copy bandwidth. Each form's output is checked against `reference_attention` first.
 """
 
 from __future__ import annotations
@@ -55,12 +56,13 @@ def time_graph(fn: Callable[[], object]) -> float:
 def forms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kq: torch.Tensor, vq: torch.Tensor, ks: torch.Tensor,
           vs: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, ctx: int, scale: float
           ) -> dict[str, Callable[[], torch.Tensor]]:
-    from server.embedded.decode_attention import split_config, split_kv_attention
+    from server.embedded.decode_attention import one_pass_counters, split_config, split_kv_attention
 
     b, t, nq, d = q.shape
     nkv = k.shape[1]
     g = nq // nkv
     fp8_scores = split_config(True, t)._replace(fp8_scores=True)
+    counters = one_pass_counters(b, nkv, q.device)  # the one-pass forms: the last program combines
     mask = (torch.arange(ctx, device=q.device).view(1, 1, ctx) <= pos.unsqueeze(-1))  # [B, T, ctx]
     gqa_mask, rows_mask = mask.unsqueeze(1), mask.repeat_interleave(g, 1).unsqueeze(1)
 
@@ -78,7 +80,10 @@ def forms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kq: torch.Tensor, v
             "split": lambda: split_kv_attention(q, k, v, rows, pos, ctx, scale),
             "split_fp8": lambda: split_kv_attention(q, kq, vq, rows, pos, ctx, scale, ks, vs),
             "split_fp8_scores": lambda: split_kv_attention(q, kq, vq, rows, pos, ctx, scale, ks, vs,
-                                                           config=fp8_scores)}
+                                                           config=fp8_scores),
+            "split_one_pass": lambda: split_kv_attention(q, k, v, rows, pos, ctx, scale, counters=counters),
+            "split_fp8_one_pass": lambda: split_kv_attention(q, kq, vq, rows, pos, ctx, scale, ks, vs,
+                                                             counters=counters)}
 
 
 # an FP8 cache moves half the bytes an iteration for the same softmax work, so its best may want longer

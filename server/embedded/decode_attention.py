@@ -69,7 +69,8 @@ def interpreted() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _kernels():
-    global to_e4m3  # a module global: Triton's interpreter runs kernels with their module's globals only
+    # module globals: Triton's interpreter runs kernels with their module's globals only
+    global to_e4m3, combine_rows
     import triton
     import triton.language as tl
 
@@ -78,9 +79,11 @@ def _kernels():
     @triton.jit
     def split_kv(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, rows_ptr, pos_ptr, part_o, part_ml, sm_scale, stride_rb,
                  stride_qb, stride_qt, stride_qh, stride_cs, stride_ch, stride_cp, stride_ss, stride_sh,
+                 count_ptr, out_ptr, s_ptr, stride_ob, stride_ot, stride_oh,
                  NKV: tl.constexpr, T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, SPLITS: tl.constexpr, FP8: tl.constexpr,
-                 FP8_SCORES: tl.constexpr, RUNTIME_LOOP: tl.constexpr):
+                 FP8_SCORES: tl.constexpr, RUNTIME_LOOP: tl.constexpr, ONE_PASS: tl.constexpr,
+                 QUANT: tl.constexpr):
         pid, split = tl.program_id(0), tl.program_id(1)
         b, h = pid // NKV, pid % NKV
         slot = tl.load(rows_ptr + b * stride_rb).to(tl.int64)
@@ -148,25 +151,40 @@ def _kernels():
         tl.store(part_o + (base + r)[:, None] * D + dd[None, :], acc)
         tl.store(part_ml + (base + r) * 2, m_i)
         tl.store(part_ml + (base + r) * 2 + 1, l_i)
+        if ONE_PASS:  # the last of the row's programs to finish combines the partials (no second launch)
+            tl.debug_barrier()  # every thread's partials stored before the release below
+            done = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel")
+            if done == SPLITS - 1:
+                combine_rows(part_o, part_ml, out_ptr, q_ptr, s_ptr, stride_ob, stride_ot, stride_oh, pid, NKV, T,
+                             G, D, BLOCK_M, SPLITS, QUANT)
+                tl.store(count_ptr + pid, 0)  # ready for the next launch (a CUDA graph's replays included)
 
     @triton.jit
     def combine(part_o, part_ml, out_ptr, q_ptr, s_ptr, stride_ob, stride_ot, stride_oh,
                 NKV: tl.constexpr, T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
                 SPLITS: tl.constexpr, QUANT: tl.constexpr):
-        pid = tl.program_id(0)
+        combine_rows(part_o, part_ml, out_ptr, q_ptr, s_ptr, stride_ob, stride_ot, stride_oh, tl.program_id(0), NKV,
+                     T, G, D, BLOCK_M, SPLITS, QUANT)
+
+    @triton.jit
+    def combine_rows(part_o, part_ml, out_ptr, q_ptr, s_ptr, stride_ob, stride_ot, stride_oh, pid,
+                     NKV: tl.constexpr, T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                     SPLITS: tl.constexpr, QUANT: tl.constexpr):
+        """Program (row, KV head) `pid`'s partials combined into its output rows. The partials are read
+        past the L1 cache (.cg): in the one-pass form other multiprocessors wrote them."""
         b, h = pid // NKV, pid % NKV
         r = tl.arange(0, BLOCK_M)
         dd = tl.arange(0, D)
         m = tl.full((BLOCK_M,), -1.0e30, tl.float32)
         for s in range(SPLITS):
-            m = tl.maximum(m, tl.load(part_ml + ((pid * SPLITS + s) * BLOCK_M + r) * 2))
+            m = tl.maximum(m, tl.load(part_ml + ((pid * SPLITS + s) * BLOCK_M + r) * 2, cache_modifier=".cg"))
         total = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, D), tl.float32)
         for s in range(SPLITS):
             base = (pid * SPLITS + s) * BLOCK_M
-            w = tl.math.exp2(tl.load(part_ml + (base + r) * 2) - m)
-            total += tl.load(part_ml + (base + r) * 2 + 1) * w
-            acc += tl.load(part_o + (base + r)[:, None] * D + dd[None, :]) * w[:, None]
+            w = tl.math.exp2(tl.load(part_ml + (base + r) * 2, cache_modifier=".cg") - m)
+            total += tl.load(part_ml + (base + r) * 2 + 1, cache_modifier=".cg") * w
+            acc += tl.load(part_o + (base + r)[:, None] * D + dd[None, :], cache_modifier=".cg") * w[:, None]
         tok, grp = r // G, r % G
         live = r < T * G
         o = acc / tl.maximum(total, 1e-30)[:, None]
@@ -274,35 +292,48 @@ def _programs(device: int, fp8: bool, tokens: int) -> int:
 def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor,
                        ctx: int, scale: float, k_scale: Optional[torch.Tensor] = None,
                        v_scale: Optional[torch.Tensor] = None, programs: Optional[int] = None,
-                       config: Optional[Sequence] = None, out_scale: Optional[torch.Tensor] = None
-                       ) -> torch.Tensor:
-    """`reference_attention`'s contract, as two Triton launches. `ctx` bounds the keys read (the CUDA
-    graph's context bucket) and, with `programs` (default: PROGRAMS_PER_SM's for the cache dtype on
-    CUDA), how many programs a row gets; each row's own keys (up to its `pos`) are dealt evenly among
-    them, so a row far shorter than the bucket keeps them all busy. `config` (a `SplitConfig` or its
-    fields as a tuple; default `split_config`'s) is for measuring others.
+                       config: Optional[Sequence] = None, out_scale: Optional[torch.Tensor] = None,
+                       counters: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`reference_attention`'s contract, as two Triton launches (one with `counters`). `ctx` bounds the
+    keys read (the CUDA graph's context bucket) and, with `programs` (default: PROGRAMS_PER_SM's for the
+    cache dtype on CUDA), how many programs a row gets; each row's own keys (up to its `pos`) are dealt
+    evenly among them, so a row far shorter than the bucket keeps them all busy. `config` (a
+    `SplitConfig` or its fields as a tuple; default `split_config`'s) is for measuring others.
     With `out_scale`, the output comes as the FP8 e4m3 input of the o_proj GEMM that reads it,
-    `quantize_e4m3(out, out_scale)`'s bytes without a launch of its own."""
-    part_o, part_ml, splits, block_m = split_partials(q, k, v, rows, pos, ctx, scale, k_scale, v_scale, programs,
-                                                      config)
+    `quantize_e4m3(out, out_scale)`'s bytes without a launch of its own.
+    With `counters` (int32 zeros, at least B x kv_heads: `one_pass_counters`), the last program of each
+    (row, KV head) to finish combines the partials itself, and leaves its counter at zero again."""
     b, t, nq, d = q.shape
     nkv = k.shape[1]
     out = torch.empty_like(q, dtype=torch.float8_e4m3fn if out_scale is not None else q.dtype)
-    _kernels()[1][(b * nkv,)](part_o, part_ml, out, q, part_ml if out_scale is None else out_scale,
-                              out.stride(0), out.stride(1), out.stride(2),
-                              NKV=nkv, T=t, G=nq // nkv, D=d, BLOCK_M=block_m, SPLITS=splits,
-                              QUANT=out_scale is not None)
+    if counters is not None and (counters.dtype != torch.int32 or counters.numel() < b * nkv):
+        raise ValueError(f"split_kv_attention: counters must be int32 zeros, at least {b} x {nkv}")
+    part_o, part_ml, splits, block_m = split_partials(q, k, v, rows, pos, ctx, scale, k_scale, v_scale, programs,
+                                                      config, out, out_scale, counters)
+    if counters is None:
+        _kernels()[1][(b * nkv,)](part_o, part_ml, out, q, part_ml if out_scale is None else out_scale,
+                                  out.stride(0), out.stride(1), out.stride(2),
+                                  NKV=nkv, T=t, G=nq // nkv, D=d, BLOCK_M=block_m, SPLITS=splits,
+                                  QUANT=out_scale is not None)
     return out
+
+
+def one_pass_counters(max_batch: int, kv_heads: int, device: torch.device) -> torch.Tensor:
+    """The zeroed counters `split_kv_attention(counters=...)` needs for up to `max_batch` rows: one
+    buffer serves every layer (the launches run one after another, and each leaves it zeroed)."""
+    return torch.zeros(max_batch * kv_heads, dtype=torch.int32, device=device)
 
 
 def split_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor,
                    ctx: int, scale: float, k_scale: Optional[torch.Tensor] = None,
                    v_scale: Optional[torch.Tensor] = None, programs: Optional[int] = None,
-                   config: Optional[Sequence] = None
+                   config: Optional[Sequence] = None, out: Optional[torch.Tensor] = None,
+                   out_scale: Optional[torch.Tensor] = None, counters: Optional[torch.Tensor] = None
                    ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """The split kernel's launch (split_kv_attention's first half): (partial outputs [B*nkv*splits*block_m,
     d], their running max and sum [.., 2] in base 2 (of scores times log2 e), splits, block_m), the rows
-    of program (b, kv head, split) at ((b*nkv + head)*splits + split)*block_m."""
+    of program (b, kv head, split) at ((b*nkv + head)*splits + split)*block_m. With `counters` it also
+    combines them into `out` (split_kv_attention's one-pass form)."""
     b, t, nq, d = q.shape
     nkv = k.shape[1]
     g = nq // nkv
@@ -326,12 +357,17 @@ def split_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torc
     part_ml = torch.empty((b * nkv * splits * block_m, 2), dtype=torch.float32, device=q.device)
     ks = k_scale if fp8 else part_ml  # an unused pointer when the cache is not FP8
     vs = v_scale if fp8 else part_ml
+    one_pass = counters is not None
+    o = out if one_pass else part_o  # unused pointers in the two-launch form
     _kernels()[0][(b * nkv, splits)](
         q, k, v, ks, vs, rows, pos, part_o, part_ml, scale, rows.stride(0),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         ks.stride(0) if fp8 else 0, ks.stride(1) if fp8 else 0,
+        counters if one_pass else part_ml, o, out_scale if out_scale is not None else part_ml,
+        o.stride(0) if one_pass else 0, o.stride(1) if one_pass else 0, o.stride(2) if one_pass else 0,
         NKV=nkv, T=t, G=g, D=d, BLOCK_M=block_m, BLOCK_N=block_n, CHUNK=chunk, SPLITS=splits, FP8=fp8,
-        FP8_SCORES=bool(fp8_scores), RUNTIME_LOOP=not interpreted(), num_warps=warps, num_stages=stages)
+        FP8_SCORES=bool(fp8_scores), RUNTIME_LOOP=not interpreted(), ONE_PASS=one_pass,
+        QUANT=one_pass and out_scale is not None, num_warps=warps, num_stages=stages)
     return part_o, part_ml, splits, block_m
 
 

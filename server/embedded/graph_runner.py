@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from server.embedded.base_runner import BaseRunner, Draft
-from server.embedded.decode_attention import interpreted, split_kv_attention, write_kv
+from server.embedded.decode_attention import interpreted, one_pass_counters, split_kv_attention, write_kv
 from server.embedded.fused_ops import add_rms_norm, rope_write_kv, silu_mul
 from server.embedded.qlinear import Fp8Linear, Int8WeightOnlyLinear, project, quantized_input
 from server.embedded.transfer import copy_into
@@ -50,6 +50,9 @@ FUSED_OPS_ENV = "EMBEDDED_FUSED_OPS"  # 0: eager elementwise ops on CUDA too, fo
 FP8_FUSE_ENV = "EMBEDDED_FP8_FUSE"  # 0: FP8 q/k/v and gate/up as separate GEMMs, for side-by-side measurements
 ATTENTION_ENV = "EMBEDDED_ATTENTION"  # rows|gqa|split: the decode attention's form, for side-by-side measurements
 ATTENTION_FORMS = ("auto", "rows", "gqa", "split")
+# 1: the split kernel's last program of a (row, KV head) combines its partials (one launch a layer, not
+# two; decode_attention.split_kv_attention's `counters`). Off until measured on a GPU against two launches.
+ONE_PASS_ENV = "EMBEDDED_SPLIT_ONE_PASS"
 # `auto`: on CUDA the split-KV kernel for every step. It is the one form that reads an FP8 cache in place
 # and runs verify steps well (1+3 tokens at 8k keys: 27-64 us against SDPA's 169-180, H200,
 # bench/attention-h200.json), and the one that reads only a row's own keys: SDPA's forms read the whole
@@ -247,6 +250,9 @@ class GraphRunner(BaseRunner):
         if attention == "auto":
             attention = "split" if cuda else "rows"  # see `auto` above
         self.attention = attention
+        self.counters = None  # the one-pass split's counters (ONE_PASS_ENV)
+        if attention == "split" and os.environ.get(ONE_PASS_ENV, "0") == "1":
+            self.counters = one_pass_counters(num_slots + 1, self.num_kv_heads, self.device)
         self.group = self.num_heads // self.num_kv_heads
         self.capacity = max_seq_len  # static: the scheduler never asks for more
         self.scratch = num_slots  # padded batch rows write their K/V here
@@ -330,7 +336,8 @@ class GraphRunner(BaseRunner):
         g, nq, nkv, d = self.group, self.num_heads, self.num_kv_heads, self.head_dim
         if form == "split":  # reads the cache in place (FP8 included); the rows' slots are write_rows
             return split_kv_attention(q.view(b, t, nq, d), self.k[i], self.v[i], write_rows, pos, ctx, self.scale,
-                                      *self._scales(i), out_scale=out_scale).view(b * t, nq * d)
+                                      *self._scales(i), out_scale=out_scale, counters=self.counters
+                                      ).view(b * t, nq * d)
         keys, values = self._kv_read(i, (slice(None, b), slice(None), slice(None, ctx)))
         if form == "gqa":
             o = F.scaled_dot_product_attention(q.view(b, t, nq, d).transpose(1, 2), keys, values, attn_mask=mask,
