@@ -186,7 +186,7 @@ def draw_fused(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Se
                ) -> torch.Tensor:
     """`reference_draw`'s rule in one Triton launch (after the sort where a row truncates; the numbers
     and their limits: sample_kernel.py). Float32 logits [n, V]; two host-to-device copies of settings."""
-    from server.embedded import sample_kernel
+    from server.embedded.sample_kernel import draw_full, draw_sorted
 
     n, vocab = logits.shape
     dev = logits.device
@@ -197,9 +197,9 @@ def draw_fused(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Se
                      torch.long, dev)
     logits = logits.float().contiguous()
     if not _truncates(params):
-        return sample_kernel.draw_full(logits, floats[0], ints[0], ints[1])
+        return draw_full(logits, floats[0], ints[0], ints[1])
     vals, idx = torch.sort(logits / floats[2].unsqueeze(1), stable=True, dim=-1, descending=True)
-    return sample_kernel.draw_sorted(vals, idx, floats[0], ints[2], floats[1], ints[0], ints[1])
+    return draw_sorted(vals, idx, floats[0], ints[2], floats[1], ints[0], ints[1])
 
 
 def reference_draw(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int],

@@ -107,7 +107,7 @@ def accept_fused(logits: torch.Tensor, drafts: torch.Tensor, params: Sequence[Sa
                  seeds: Sequence[int], steps: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """`reference_accept`'s rule as sample_kernel.accept: a stable sort of the scaled logits where a row
     truncates, then one program a row walks its L+1 nuclei (the draft's share, the uniforms, the draw)."""
-    from server.embedded import sample_kernel
+    from server.embedded.sample_kernel import accept
 
     n, t, vocab = logits.shape
     dev = logits.device
@@ -119,7 +119,7 @@ def accept_fused(logits: torch.Tensor, drafts: torch.Tensor, params: Sequence[Sa
     idx = None
     if _truncates(params):
         scaled, idx = torch.sort(scaled, stable=True, dim=-1, descending=True)
-    return sample_kernel.accept(scaled, idx, drafts.long().contiguous(), floats[0], ints[2], floats[1], ints[0],
+    return accept(scaled, idx, drafts.long().contiguous(), floats[0], ints[2], floats[1], ints[0],
                                 ints[1])
 
 
