@@ -101,3 +101,38 @@ def test_the_fused_acceptance_gives_the_eager_verdicts(truncated):
         assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist(), step
         verdicts |= set(got[0].tolist())
     assert {0, L} <= verdicts  # rows rejected at once and rows that kept every draft
+
+
+def test_a_fused_kernel_that_fails_gives_way_to_the_eager_rule(monkeypatch, capsys):
+    """A kernel this GPU's Triton cannot build: the draw and the acceptance fall back to the eager rules
+    (said once on stderr), and stay there for the process."""
+    from server.embedded import sampler, speculative
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel here")
+
+    monkeypatch.setattr(sampler, "_FUSED_FAILED", [])
+    monkeypatch.setattr(sampler, "draw_fused", broken)
+    monkeypatch.setattr(speculative, "accept_fused", broken)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # take the CUDA branch on any device
+    sampler.fused_sampler.cache_clear()
+    logits = _logits(len(ROWS), 6).cpu()
+    seeds, steps = list(range(len(ROWS))), [0] * len(ROWS)
+    drafts = logits[:, :3].argsort(dim=-1).long()
+    try:
+        for first in ("draw", "accept"):
+            sampler._FUSED_FAILED.clear()
+            sampler.fused_sampler.cache_clear()
+            for call in (first, "accept" if first == "draw" else "draw"):
+                if call == "draw":
+                    got = sampler.draw_device(logits, ROWS, seeds, steps)
+                    assert got.tolist() == sampler.reference_draw(logits, ROWS, seeds, steps).tolist()
+                else:
+                    wide = logits.view(len(ROWS), 1, VOCAB).repeat(1, 4, 1)
+                    got = speculative.accept_device(wide, drafts, ROWS, seeds, steps)
+                    want = speculative.reference_accept(wide, drafts, ROWS, seeds, steps)
+                    assert [x.tolist() for x in got] == [x.tolist() for x in want]
+            assert not sampler.fused_sampler()
+            assert capsys.readouterr().err.count("fused sampling kernels failed") == 1, first
+    finally:
+        sampler.fused_sampler.cache_clear()

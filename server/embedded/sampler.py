@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import sys
 from typing import Optional, Sequence
 
 import torch
@@ -165,17 +166,33 @@ def draw_device(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: S
     if all(p.temperature == 0 for p in params):
         return torch.argmax(logits, -1)
     if logits.is_cuda and fused_sampler():
-        return draw_fused(logits, params, seeds, steps)
+        try:
+            return draw_fused(logits, params, seeds, steps)
+        except Exception as e:  # noqa: BLE001 - a kernel this GPU's Triton cannot build: the eager rule
+            fused_sampler_failed(e)
     return reference_draw(logits, params, seeds, steps)
 
 
 FUSED_SAMPLER_ENV = "EMBEDDED_FUSED_SAMPLER"  # "0": the eager draw on CUDA too (side-by-side measurements)
+_FUSED_FAILED: list[str] = []  # why the fused kernels were given up in this process, if they were
 
 
 @functools.lru_cache(maxsize=None)
 def fused_sampler() -> bool:
-    """Whether CUDA draws run `draw_fused` (Triton installed, not turned off by FUSED_SAMPLER_ENV)."""
-    return importlib.util.find_spec("triton") is not None and os.environ.get(FUSED_SAMPLER_ENV, "1") != "0"
+    """Whether CUDA draws run `draw_fused` (Triton installed, not turned off by FUSED_SAMPLER_ENV, and
+    not given up after a failure in this process)."""
+    return (importlib.util.find_spec("triton") is not None and os.environ.get(FUSED_SAMPLER_ENV, "1") != "0"
+            and not _FUSED_FAILED)
+
+
+def fused_sampler_failed(error: Exception) -> None:
+    """Give the fused draw and acceptance up for this process (the eager rules take over: the same
+    distributions), saying why once on stderr."""
+    if not _FUSED_FAILED:
+        _FUSED_FAILED.append(f"{type(error).__name__}: {error}")
+        print(f"[embedded] the fused sampling kernels failed ({_FUSED_FAILED[0][:300]}); sampling with the eager "
+              f"rule from now on", file=sys.stderr, flush=True)
+    fused_sampler.cache_clear()
 
 
 def _truncates(params: Sequence[SamplingParams]) -> bool:

@@ -30,7 +30,15 @@ from typing import Optional, Sequence
 import torch
 
 from aimo_spec.protocol import SamplingParams
-from server.embedded.sampler import _keep_sorted, _truncates, draw, fused_sampler, gumbel_noise, row_distribution
+from server.embedded.sampler import (
+    _keep_sorted,
+    _truncates,
+    draw,
+    fused_sampler,
+    fused_sampler_failed,
+    gumbel_noise,
+    row_distribution,
+)
 from server.embedded.transfer import to_device
 
 # Largest running batch that still drafts, per device type, when the recipe leaves it at 0; above it
@@ -99,7 +107,10 @@ def accept_device(logits: torch.Tensor, drafts: torch.Tensor, params: Sequence[S
     device tensors, so the step needs one transfer. logits [n, L+1, V], drafts [n, L] (long).
     On CUDA one Triton launch after the sort (`accept_fused`), else `reference_accept`."""
     if logits.is_cuda and fused_sampler():
-        return accept_fused(logits, drafts, params, seeds, steps)
+        try:
+            return accept_fused(logits, drafts, params, seeds, steps)
+        except Exception as e:  # noqa: BLE001 - a kernel this GPU's Triton cannot build: the eager rule
+            fused_sampler_failed(e)
     return reference_accept(logits, drafts, params, seeds, steps)
 
 
