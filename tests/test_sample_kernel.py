@@ -136,3 +136,20 @@ def test_a_fused_kernel_that_fails_gives_way_to_the_eager_rule(monkeypatch, caps
             assert capsys.readouterr().err.count("fused sampling kernels failed") == 1, first
     finally:
         sampler.fused_sampler.cache_clear()
+
+
+def test_the_noise_stays_finite_at_the_hash_s_largest_value():
+    """Token 1452045 at seed 0, step 0 hashes to the top of the uniform's range: with 24 bits its
+    uniform rounded to exactly 1.0 and its noise was infinite (that token drawn whatever its logit);
+    with 23 bits it stays below 1, in the kernels as in the eager rule."""
+    from server.embedded.sampler import hashed_uniform
+
+    seed, step, token = torch.tensor([0]), torch.tensor([0]), torch.tensor([[1452045]])
+    u = hashed_uniform(seed, step, token)
+    assert 0 < float(u) < 1 and float(u) == 1 - 2 ** -24
+    assert torch.isfinite(gumbel_noise(seed, step, token)).all()
+    logits = torch.full((1, 1452046), -30.0, device=DEVICE)
+    logits[0, 7] = 30.0  # all the mass on token 7: a finite noise cannot lift 1452045 over it
+    p = SamplingParams(temperature=1.0)
+    assert draw_fused(logits, [p], [0], [0]).tolist() == [7]
+    assert reference_draw(logits, [p], [0], [0]).tolist() == [7]

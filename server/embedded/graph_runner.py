@@ -142,8 +142,9 @@ class _Layer:
             self.qkv = lambda x: torch.cat([a.q_proj(x), a.k_proj(x), a.v_proj(x)], -1)
             self.gate_up = lambda x: torch.cat([m.gate_proj(x), m.up_proj(x)], -1)
         self.o_proj, self.down, self.act = a.o_proj, m.down_proj, m.act_fn
-        # the fused path's q/k/v GEMM without its bias where the RoPE kernel after it adds the bias (at one
-        # row torch adds a bias with a kernel of its own: cuBLASLt's bias epilogue wants two rows)
+        # the fused path's q/k/v GEMM without its bias, for one-row steps, where the RoPE kernel after it adds
+        # the bias: at one row torch adds a bias with a kernel of its own (cuBLASLt's bias epilogue wants two
+        # rows). The sum rounds once more than in the GEMM (at most one step of the model's dtype on q/k/v).
         self.qkv_bias = self.qkv.bias if isinstance(self.qkv, _Concatenated) else None
         self.qkv_gemm = _Concatenated(self.qkv.weight, None) if self.qkv_bias is not None else self.qkv
         # FP8 GEMMs whose input the fused kernel before them quantizes (None: it stays in the model's dtype)
@@ -303,8 +304,12 @@ class GraphRunner(BaseRunner):
             h, x = add_rms_norm(h, None, first.norm1.weight, first.norm_eps, q8(first.qkv_fp8))
         for i, layer in enumerate(self.layers):
             if fused:  # RoPE at each token's position and the K/V write in one launch
-                q = rope_write_kv(project(layer.qkv_gemm, x), self.cos, self.sin, self.k[i], self.v[i], write_rows,
-                                  pos, nq, nkv, *self._scales(i), bias=layer.qkv_bias).view(b * t, nq, d)
+                # at one row the bias comes with the RoPE kernel (torch would add it with a launch of its own);
+                # from two rows cuBLASLt's epilogue adds it within the GEMM
+                bias = layer.qkv_bias if b * t == 1 else None
+                gemm = layer.qkv_gemm if bias is not None else layer.qkv
+                q = rope_write_kv(project(gemm, x), self.cos, self.sin, self.k[i], self.v[i], write_rows, pos, nq,
+                                  nkv, *self._scales(i), bias=bias).view(b * t, nq, d)
             else:
                 q, k, v = layer.pre(h, cos, sin, nq, nkv, d)
                 if cuda:  # one launch for both caches (and FP8's quantization)

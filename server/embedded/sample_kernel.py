@@ -21,10 +21,11 @@ two copies up, the temperature's division and the sort: five launches with top-p
 A greedy row takes the argmax of its logits (`draw_full`) or its sorted row's first token (the
 same token: a stable sort puts the first of equal maxima first, as argmax picks it).
 
-The noise is `sampler.gumbel_noise`'s, bit for bit in its integers; the kernels' exp and log are the
-GPU's fast forms, so a score may differ from the eager one in its last bits, and so may the top-p
-boundary where the mass above a token is within a rounding of top_p (the sums run in another order):
-the same distribution, and a draw that still depends only on the row's logits, seed and step.
+The uniforms are `sampler.hashed_uniform`'s, bit for bit; the noise's logs may differ from torch's in
+their last bit, and the kernels' exp is the GPU's fast form (ex2.approx), so the top-p boundary and a
+draft's share may differ from the eager rule's where they are within a rounding of the threshold (the
+sums also run in another order): the same distribution, and a draw that still depends only on the
+row's logits, seed and step.
 """
 
 from __future__ import annotations
@@ -34,13 +35,15 @@ from typing import Optional
 
 import torch
 
+from server.embedded.decode_attention import interpreted
+
 BLOCK = 1024  # tokens a loop iteration reads
 
 
 @functools.lru_cache(maxsize=None)
 def _kernels():
     # module globals: Triton's interpreter runs a kernel with its module's globals only, not this closure
-    global hash32, row_key, gumbel, nucleus
+    global hash32, row_key, uniform, gumbel, top_k_mass, nucleus
     import triton
     import triton.language as tl
 
@@ -60,10 +63,13 @@ def _kernels():
         return hash32(hash32(lo) ^ hash32(hi) ^ hash32(st))
 
     @triton.jit
-    def gumbel(key, tokens):
+    def uniform(key, tokens):  # sampler.hashed_uniform's: in (0, 1), the largest 1 - 2**-24
         x = hash32(key ^ hash32(tokens.to(tl.uint32) + 0x2545F491))
-        u = ((x >> 8).to(tl.float32) + 0.5) / 16777216.0  # in (0, 1)
-        return -tl.log(-tl.log(u))
+        return ((x >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2**-23: exact
+
+    @triton.jit
+    def gumbel(key, tokens):
+        return -tl.log(-tl.log(uniform(key, tokens)))
 
     @triton.jit
     def draw_full(logits_ptr, temp_ptr, seed_ptr, step_ptr, out_ptr, stride, V: tl.constexpr, BLOCK: tl.constexpr):
@@ -88,7 +94,7 @@ def _kernels():
 
     @triton.jit
     def draw_sorted(vals_ptr, idx_ptr, temp_ptr, topk_ptr, topp_ptr, seed_ptr, step_ptr, out_ptr, stride_v, stride_i,
-                    V: tl.constexpr, BLOCK: tl.constexpr):
+                    V: tl.constexpr, BLOCK: tl.constexpr, RUNTIME_LOOP: tl.constexpr):
         row = tl.program_id(0)
         vrow = vals_ptr + row * stride_v
         irow = idx_ptr + row * stride_i
@@ -98,11 +104,7 @@ def _kernels():
         else:
             k = tl.minimum(tl.load(topk_ptr + row), V)
             m = tl.load(vrow)  # the row's largest scaled logit: the mass is counted relative to it
-            acc = tl.zeros((BLOCK,), tl.float32)
-            for start in range(0, V, BLOCK):  # the top-k mass (a constant trip count: the interpreter's need)
-                r = start + tl.arange(0, BLOCK)
-                acc += tl.where(r < k, tl.exp(tl.load(vrow + r, mask=r < k, other=0.0) - m), 0.0)
-            limit = tl.load(topp_ptr + row) * tl.sum(acc, 0)
+            limit = tl.load(topp_ptr + row) * top_k_mass(vrow, m, k, V, BLOCK, RUNTIME_LOOP)
             key = row_key(tl.load(seed_ptr + row), tl.load(step_ptr + row))
             best_v = tl.full((), float("-inf"), tl.float32)
             best_t = first
@@ -124,6 +126,21 @@ def _kernels():
                 above += tl.sum(e, 0)
                 start += BLOCK
             tl.store(out_ptr + row, best_t)
+
+    @triton.jit
+    def top_k_mass(vrow, m, k, V: tl.constexpr, BLOCK: tl.constexpr, RUNTIME_LOOP: tl.constexpr):
+        """The mass (relative to exp(m)) of a sorted row's first k tokens: on a GPU a loop to k, under the
+        interpreter (which needs a constant trip count) to V with the rest masked."""
+        acc = tl.zeros((BLOCK,), tl.float32)
+        if RUNTIME_LOOP:
+            for start in range(0, k, BLOCK):
+                r = start + tl.arange(0, BLOCK)
+                acc += tl.where(r < k, tl.exp(tl.load(vrow + r, mask=r < k, other=0.0) - m), 0.0)
+        else:
+            for start in range(0, V, BLOCK):
+                r = start + tl.arange(0, BLOCK)
+                acc += tl.where(r < k, tl.exp(tl.load(vrow + r, mask=r < k, other=0.0) - m), 0.0)
+        return tl.sum(acc, 0)
 
     @triton.jit
     def nucleus(vrow, irow, m, k, limit, exclude, key, SORTED: tl.constexpr, V: tl.constexpr, BLOCK: tl.constexpr):
@@ -167,7 +184,8 @@ def _kernels():
 
     @triton.jit
     def accept(vals_ptr, idx_ptr, drafts_ptr, temp_ptr, topk_ptr, topp_ptr, seed_ptr, step_ptr, keep_ptr, next_ptr,
-               stride_v, stride_i, L: tl.constexpr, V: tl.constexpr, SORTED: tl.constexpr, BLOCK: tl.constexpr):
+               stride_v, stride_i, L: tl.constexpr, V: tl.constexpr, SORTED: tl.constexpr, BLOCK: tl.constexpr,
+               RUNTIME_LOOP: tl.constexpr):
         b = tl.program_id(0)
         greedy = tl.load(temp_ptr + b) == 0.0
         k = tl.minimum(tl.load(topk_ptr + b), V)
@@ -193,18 +211,17 @@ def _kernels():
                     v = tl.max(x, 0)
                     first = tl.where(v > m, (start + tl.argmax(x, 0)).to(tl.int64), first)
                     m = tl.maximum(m, v)
-            acc = tl.zeros((BLOCK,), tl.float32)
-            for start in range(0, V, BLOCK):  # the top-k mass
-                r = start + tl.arange(0, BLOCK)
-                acc += tl.where(r < k, tl.exp(tl.load(vrow + r, mask=r < k, other=0.0) - m), 0.0)
+            if SORTED:
+                limit = top_p * top_k_mass(vrow, m, k, V, BLOCK, RUNTIME_LOOP)
+            else:  # no row truncates: the nucleus is the whole row
+                limit = tl.full((), float("inf"), tl.float32)
             if j < L:
                 d = tl.load(drafts_ptr + b * L + j)
             else:
                 d = tl.full((), -1, tl.int64)
-            kept, share, tok_x, tok_i = nucleus(vrow, irow, m, k, top_p * tl.sum(acc, 0), d, key_draw, SORTED, V,
-                                                BLOCK)
+            kept, share, tok_x, tok_i = nucleus(vrow, irow, m, k, limit, d, key_draw, SORTED, V, BLOCK)
             if j < L:  # draft j kept with probability P_j(d_j); at the first rejection, P_j without d_j
-                u = tl.exp(-tl.exp(-gumbel(key_u, tl.full((), j + 0x51ED, tl.int64))))
+                u = uniform(key_u, tl.full((), j + 0x51ED, tl.int64))
                 ok = tl.where(greedy, d == first, u < share / kept)
                 nxt = tl.where(running & (ok == 0), tl.where(greedy, first, tok_x), nxt)
                 keep += (running & ok).to(tl.int32)
@@ -233,7 +250,7 @@ def draw_sorted(vals: torch.Tensor, idx: torch.Tensor, temps: torch.Tensor, top_
     n, vocab = vals.shape
     out = torch.empty(n, dtype=torch.long, device=vals.device)
     _kernels()[1][(n,)](vals, idx, temps, top_k, top_p, seeds, steps, out, vals.stride(0), idx.stride(0), V=vocab,
-                        BLOCK=BLOCK)
+                        BLOCK=BLOCK, RUNTIME_LOOP=not interpreted())
     return out
 
 
@@ -249,5 +266,6 @@ def accept(vals: torch.Tensor, idx: Optional[torch.Tensor], drafts: torch.Tensor
     nxt = torch.empty(n, dtype=torch.long, device=vals.device)
     ids = vals if idx is None else idx  # an unused pointer where unsorted
     _kernels()[2][(n,)](vals, ids, drafts, temps, top_k, top_p, seeds, steps, keep, nxt, vals.stride(0),
-                        ids.stride(0), L=L, V=vocab, SORTED=idx is not None, BLOCK=BLOCK)
+                        ids.stride(0), L=L, V=vocab, SORTED=idx is not None, BLOCK=BLOCK,
+                        RUNTIME_LOOP=not interpreted())
     return keep, nxt

@@ -37,6 +37,7 @@ from server.embedded.sampler import (
     fused_sampler,
     fused_sampler_failed,
     gumbel_noise,
+    hashed_uniform,
     row_distribution,
 )
 from server.embedded.transfer import to_device
@@ -93,12 +94,6 @@ def _accept_sampled_row(logits: torch.Tensor, drafts: Sequence[int], p: Sampling
         return j, draw(ids, probs, gen)
     ids, probs = row_distribution(logits[len(drafts)], p)
     return len(drafts), draw(ids, probs, gen)
-
-
-def _uniform(seeds: torch.Tensor, steps: torch.Tensor, salt: torch.Tensor) -> torch.Tensor:
-    """Uniforms in (0, 1) from the same seeded hash as the device sampler's noise."""
-    g = gumbel_noise(seeds, steps, salt)  # -log(-log u)
-    return torch.exp(-torch.exp(-g))
 
 
 def accept_device(logits: torch.Tensor, drafts: torch.Tensor, params: Sequence[SamplingParams],
@@ -159,7 +154,7 @@ def reference_accept(logits: torch.Tensor, drafts: torch.Tensor, params: Sequenc
     probs = probs / probs.sum(-1, keepdim=True)
     dense = torch.zeros_like(probs).scatter_(1, idx, probs).view(n, t, vocab)  # P_j over the vocabulary
     pd = dense[:, :L].gather(2, drafts.unsqueeze(-1)).squeeze(-1)  # [n, L]
-    u = _uniform(seed_t, step_t, torch.arange(L, device=dev).view(1, L) + 0x51ED)
+    u = hashed_uniform(seed_t, step_t, torch.arange(L, device=dev).view(1, L) + 0x51ED)
     accepted = torch.where(greedy.view(n, 1), ok, u < pd)
     keep = accepted.long().cumprod(-1).sum(-1)  # [n]
     final = dense.gather(1, keep.view(n, 1, 1).expand(n, 1, vocab)).squeeze(1)  # P at the first rejection, or P_L
