@@ -153,3 +153,30 @@ def test_the_noise_stays_finite_at_the_hash_s_largest_value():
     p = SamplingParams(temperature=1.0)
     assert draw_fused(logits, [p], [0], [0]).tolist() == [7]
     assert reference_draw(logits, [p], [0], [0]).tolist() == [7]
+
+
+def test_the_steps_build_their_sampling_kernels_at_warm_up(monkeypatch):
+    """The engine warms its step's sampling kernels at start on CUDA (here: the kernels under the
+    interpreter, the CUDA branch taken on the CPU): the draw's and, drafting, the acceptance's."""
+    from types import SimpleNamespace
+
+    from server.embedded import sample_kernel, sampler
+    from server.embedded.sequence import EngineStats
+    from server.embedded.speculative import SpecConfig
+    from server.embedded.steps import PlainStep, SpeculativeStep
+
+    calls = []
+    for name in ("draw_full", "draw_sorted", "accept"):
+        real = getattr(sample_kernel, name)
+        monkeypatch.setattr(sample_kernel, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+    monkeypatch.setattr(sampler, "_FUSED_FAILED", [])
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    sampler.fused_sampler.cache_clear()
+    runner = SimpleNamespace(device=torch.device("cpu"), graphs=False, decode=None)
+    try:
+        PlainStep(runner, EngineStats(), lambda *a: False, overlap=False).warm_up(VOCAB)
+        assert calls == ["draw_full", "draw_sorted"]
+        SpeculativeStep(runner, EngineStats(), lambda *a: False, None, None, SpecConfig(3), 4).warm_up(VOCAB)
+        assert calls[2:] == ["draw_full", "draw_sorted", "accept", "accept"] and not sampler._FUSED_FAILED
+    finally:
+        sampler.fused_sampler.cache_clear()

@@ -124,6 +124,9 @@ class EmbeddedEngine(EngineBase):
                                        self.prefix_reuse, self.deterministic,
                                        getattr(getattr(model, "config", None), "vocab_size", None))
             self.eos_ids = eos_ids(model, tokenizer)
+            vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+            if vocab and self.device.type == "cuda":  # the sampler's kernels built before the first request
+                self.step.warm_up(vocab)
         except BaseException as e:  # reported to the constructor's caller
             self._load_error = e
             self._ready.set()

@@ -35,6 +35,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from aimo_spec.protocol import SamplingParams
 from server.embedded.deterministic import CHUNK, decode_rows, whole_chunks
 from server.embedded.sampler import draw_device, pack_draws, sample, sample_device, unpack_draws
 from server.embedded.sequence import EngineStats, Seq
@@ -81,6 +82,16 @@ class PlainStep:
         # per-request generators (sampler.sample) on the CPU; else, and always with overlap, sample_device
         self.host_sampler = runner.device.type == "cpu" and not self.overlap
         self._forward = partial(decode_rows, runner) if deterministic else runner.decode
+
+    # a temperature-only row and a truncated one: the draw's two kernels
+    WARM_UP = (SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_p=0.5))
+
+    def warm_up(self, vocab: int) -> None:
+        """Build the device sampler's kernels for this vocabulary now (engine start), not at the first
+        sampled request; one that fails to build gives way to the eager rule here (sampler.py)."""
+        logits = torch.zeros(1, vocab, device=self.runner.device)
+        for p in self.WARM_UP:
+            draw_device(logits, [p], [0], [0])
 
     def prefill(self, seq: Seq) -> None:
         """Compute the KV of seq's prompt past the `kv_len` positions reused, then sample its first token."""
@@ -217,6 +228,14 @@ class SpeculativeStep(PlainStep):
                  max_batch: int):
         super().__init__(runner, stats, emit)
         self.drafter, self.embed, self.spec, self.max_batch = drafter, embed, spec, max_batch
+
+    def warm_up(self, vocab: int) -> None:
+        """The draw's kernels and the acceptance's for `spec.draft_len` drafts."""
+        super().warm_up(vocab)
+        dev, L = self.runner.device, self.spec.draft_len
+        logits = torch.zeros(1, L + 1, vocab, device=dev)
+        for p in self.WARM_UP:
+            accept_device(logits, torch.zeros(1, L, dtype=torch.long, device=dev), [p], [0], [0])
 
     def decode(self, batch: list[Seq]) -> None:
         if len(batch) <= self.max_batch:
