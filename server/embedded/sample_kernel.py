@@ -106,26 +106,8 @@ def _kernels():
             m = tl.load(vrow)  # the row's largest scaled logit: the mass is counted relative to it
             limit = tl.load(topp_ptr + row) * top_k_mass(vrow, m, k, V, BLOCK, RUNTIME_LOOP)
             key = row_key(tl.load(seed_ptr + row), tl.load(step_ptr + row))
-            best_v = tl.full((), float("-inf"), tl.float32)
-            best_t = first
-            above = tl.full((), 0.0, tl.float32)  # the mass ranked above the block
-            start = tl.full((), 0, tl.int32)
-            while (start < k) & ((above < limit) | (start == 0)):
-                r = start + tl.arange(0, BLOCK)
-                live = r < k
-                x = tl.load(vrow + r, mask=live, other=0.0)
-                e = tl.where(live, tl.exp(x - m), 0.0)
-                keep = live & ((above + tl.cumsum(e, 0) - e < limit) | (r == 0))
-                tokens = tl.load(irow + r, mask=live, other=0)
-                score = tl.where(keep, x + gumbel(key, tokens), float("-inf"))
-                v = tl.max(score, 0)
-                t = tl.sum(tl.where(tl.arange(0, BLOCK) == tl.argmax(score, 0), tokens, 0), 0)
-                better = v > best_v
-                best_t = tl.where(better, t, best_t)
-                best_v = tl.where(better, v, best_v)
-                above += tl.sum(e, 0)
-                start += BLOCK
-            tl.store(out_ptr + row, best_t)
+            _, _, _, token = nucleus(vrow, irow, m, k, limit, -1, key, True, False, V, BLOCK)
+            tl.store(out_ptr + row, token)
 
     @triton.jit
     def top_k_mass(vrow, m, k, V: tl.constexpr, BLOCK: tl.constexpr, RUNTIME_LOOP: tl.constexpr):
@@ -143,9 +125,12 @@ def _kernels():
         return tl.sum(acc, 0)
 
     @triton.jit
-    def nucleus(vrow, irow, m, k, limit, exclude, key, SORTED: tl.constexpr, V: tl.constexpr, BLOCK: tl.constexpr):
-        """A row's walk over its nucleus, as draw_sorted's (tokens are positions where not SORTED): (its
-        mass, token `exclude`'s share of it, the best noisy token other than `exclude`, the best)."""
+    def nucleus(vrow, irow, m, k, limit, exclude, key, SORTED: tl.constexpr, EXCLUDE: tl.constexpr,
+                V: tl.constexpr, BLOCK: tl.constexpr):
+        """A row's walk over its nucleus: blocks of the sorted row (tokens are positions where not SORTED),
+        keeping tokens while the mass ranked above them is under `limit` (the first always), until a
+        block starts past it. Returns (the nucleus' mass, token `exclude`'s share of it, the best noisy
+        token other than `exclude` (with EXCLUDE), the best noisy token)."""
         kept = tl.full((), 0.0, tl.float32)
         share = tl.full((), 0.0, tl.float32)
         best_x = tl.full((), float("-inf"), tl.float32)
@@ -172,12 +157,13 @@ def _kernels():
             better = v > best_i
             tok_i = tl.where(better, t, tok_i)
             best_i = tl.where(better, v, best_i)
-            score = tl.where(tokens == exclude, float("-inf"), score)
-            v = tl.max(score, 0)
-            t = tl.sum(tl.where(tl.arange(0, BLOCK) == tl.argmax(score, 0), tokens, 0), 0)
-            better = v > best_x
-            tok_x = tl.where(better, t, tok_x)
-            best_x = tl.where(better, v, best_x)
+            if EXCLUDE:
+                score = tl.where(tokens == exclude, float("-inf"), score)
+                v = tl.max(score, 0)
+                t = tl.sum(tl.where(tl.arange(0, BLOCK) == tl.argmax(score, 0), tokens, 0), 0)
+                better = v > best_x
+                tok_x = tl.where(better, t, tok_x)
+                best_x = tl.where(better, v, best_x)
             above += tl.sum(e, 0)
             start += BLOCK
         return kept, share, tok_x, tok_i
@@ -219,7 +205,7 @@ def _kernels():
                 d = tl.load(drafts_ptr + b * L + j)
             else:
                 d = tl.full((), -1, tl.int64)
-            kept, share, tok_x, tok_i = nucleus(vrow, irow, m, k, limit, d, key_draw, SORTED, V, BLOCK)
+            kept, share, tok_x, tok_i = nucleus(vrow, irow, m, k, limit, d, key_draw, SORTED, True, V, BLOCK)
             if j < L:  # draft j kept with probability P_j(d_j); at the first rejection, P_j without d_j
                 u = uniform(key_u, tl.full((), j + 0x51ED, tl.int64))
                 ok = tl.where(greedy, d == first, u < share / kept)
