@@ -156,7 +156,7 @@ def test_the_noise_stays_finite_at_the_hash_s_largest_value():
 
 
 def test_the_steps_build_their_sampling_kernels_at_warm_up(monkeypatch):
-    """The engine warms its step's sampling kernels at start on CUDA (here: the kernels under the
+    """The engine warms its step's sampling kernels at start on CUDA (without a GPU: the kernels under the
     interpreter, the CUDA branch taken on the CPU): the draw's and, drafting, the acceptance's."""
     from types import SimpleNamespace
 
@@ -170,9 +170,10 @@ def test_the_steps_build_their_sampling_kernels_at_warm_up(monkeypatch):
         real = getattr(sample_kernel, name)
         monkeypatch.setattr(sample_kernel, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
     monkeypatch.setattr(sampler, "_FUSED_FAILED", [])
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    if not CUDA:  # the CUDA branch on the CPU, the kernels under the interpreter
+        monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     sampler.fused_sampler.cache_clear()
-    runner = SimpleNamespace(device=torch.device("cpu"), graphs=False, decode=None)
+    runner = SimpleNamespace(device=torch.device(DEVICE), graphs=False, decode=None)
     try:
         PlainStep(runner, EngineStats(), lambda *a: False, overlap=False).warm_up(VOCAB)
         assert calls == ["draw_full", "draw_sorted"]
