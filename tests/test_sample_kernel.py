@@ -20,7 +20,7 @@ CUDA = torch.cuda.is_available()
 pytestmark = pytest.mark.skipif(not (CUDA or importlib.util.find_spec("triton")),
                                 reason="needs CUDA or Triton's interpreter")
 DEVICE = "cuda" if CUDA else "cpu"
-VOCAB = 2500  # over two of the kernel's blocks, and not a multiple of one
+VOCAB = 9000  # over two of the kernel's blocks (sample_kernel.BLOCK), and not a multiple of one
 
 ROWS = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7), SamplingParams(temperature=1.3),
         SamplingParams(temperature=0.7, top_p=0.95), SamplingParams(temperature=1.0, top_p=0.5),

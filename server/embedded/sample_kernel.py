@@ -37,7 +37,12 @@ import torch
 
 from server.embedded.decode_attention import interpreted
 
-BLOCK = 1024  # tokens a loop iteration reads
+# Tokens a loop iteration reads, and warps a program: one program walks a row, so a row of V tokens is
+# V / BLOCK dependent iterations (measured on an H100 with 1024 and 4 warps: the fused draw no faster
+# than the eager rule at batch 1, bench/gpu-sampler-h100.json); wider blocks and more warps keep more
+# loads in flight. A row split over several programs (two stages) is the next step.
+BLOCK = 4096
+WARPS = 8
 
 
 @functools.lru_cache(maxsize=None)
@@ -225,7 +230,7 @@ def draw_full(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor, st
     `seeds` and `steps` [n] (int64) seeding each row's noise."""
     n, vocab = logits.shape
     out = torch.empty(n, dtype=torch.long, device=logits.device)
-    _kernels()[0][(n,)](logits, temps, seeds, steps, out, logits.stride(0), V=vocab, BLOCK=BLOCK)
+    _kernels()[0][(n,)](logits, temps, seeds, steps, out, logits.stride(0), V=vocab, BLOCK=BLOCK, num_warps=WARPS)
     return out
 
 
@@ -236,7 +241,7 @@ def draw_sorted(vals: torch.Tensor, idx: torch.Tensor, temps: torch.Tensor, top_
     n, vocab = vals.shape
     out = torch.empty(n, dtype=torch.long, device=vals.device)
     _kernels()[1][(n,)](vals, idx, temps, top_k, top_p, seeds, steps, out, vals.stride(0), idx.stride(0), V=vocab,
-                        BLOCK=BLOCK, RUNTIME_LOOP=not interpreted())
+                        BLOCK=BLOCK, RUNTIME_LOOP=not interpreted(), num_warps=WARPS)
     return out
 
 
@@ -253,5 +258,5 @@ def accept(vals: torch.Tensor, idx: Optional[torch.Tensor], drafts: torch.Tensor
     ids = vals if idx is None else idx  # an unused pointer where unsorted
     _kernels()[2][(n,)](vals, ids, drafts, temps, top_k, top_p, seeds, steps, keep, nxt, vals.stride(0),
                         ids.stride(0), L=L, V=vocab, SORTED=idx is not None, BLOCK=BLOCK,
-                        RUNTIME_LOOP=not interpreted())
+                        RUNTIME_LOOP=not interpreted(), num_warps=WARPS)
     return keep, nxt
