@@ -1,22 +1,26 @@
-"""The device sampler's draw as one Triton launch per step (two with the sort top-k / top-p needs).
+"""The device sampler's draw and the speculative acceptance as a few Triton launches a step.
 
 `sampler.reference_draw` is the rule in eager PyTorch: temperature, top-k and top-p as masks over the
 sorted row, the draw by Gumbel-max over noise hashed from (seed, step, token id). Eagerly that is 115
 torch ops a step with top-p, 97 without (counted with torch.profiler; most are elementwise over [rows,
 vocabulary], the hash alone some forty), each launched from Python: on a GPU the host spends about as
 long launching them as a small model's whole decode step, and the device runs them one after another.
-Here the mask, the noise and the argmax are one pass over each row in registers (with the settings'
-two copies up, the temperature's division and the sort: five launches with top-p, three without):
+Here the mask, the noise and the argmax run in registers. A row is split over chunks of programs where
+the work is a reduction over the whole row (one program walking a 152k-token row was as slow as the
+eager rule at batch 1 on an H100: bench/gpu-sampler-h100.json):
 
-- `draw_sorted` walks a row sorted by torch.sort (stable, so ties keep the token order): it sums the
-  top-k mass, then keeps tokens while the mass ranked above them is under top_p of it (at least one),
-  adds the token's noise and keeps the running best; it stops at the first block past the nucleus.
-- `draw_full` (no row truncates): logits / temperature + noise, argmax, in one read of the row.
-
+- `draw_full` (no row truncates): logits / temperature + noise, each chunk's best, then torch picks the
+  best chunk (the first of equal ones, as argmax does): one read of the row, three launches.
+- `draw_sorted` (some row truncates; after a stable torch.sort, so ties keep the token order):
+  `mass_partials` sums each chunk's top-k mass, then one program a row walks the row from its top,
+  keeping tokens while the mass ranked above them is under top_p of it (at least one), adding each
+  one's noise and keeping the running best; it stops at the first block past the nucleus (short at
+  the recipes' top-p).
 - `accept` (speculative.accept_device's rule): one program a row walks the nuclei of its L+1 positions
-  (sorted, or the whole row where no row truncates): each draft's share of its position's nucleus
-  against the row's seeded uniform, and at the first rejection the noisy best of the nucleus without
-  the rejected draft (with every draft kept, of the last position's).
+  (the top-k masses from `mass_partials`; where no row truncates, the whole unsorted row, in one
+  program: not split yet): each draft's share of its position's nucleus against the row's seeded
+  uniform, and at the first rejection the noisy best of the nucleus without the rejected draft (with
+  every draft kept, of the last position's).
 
 A greedy row takes the argmax of its logits (`draw_full`) or its sorted row's first token (the
 same token: a stable sort puts the first of equal maxima first, as argmax picks it).
@@ -35,12 +39,7 @@ from typing import Optional
 
 import torch
 
-from server.embedded.decode_attention import interpreted
-
-# Tokens a loop iteration reads, and warps a program: one program walks a row, so a row of V tokens is
-# V / BLOCK dependent iterations (measured on an H100 with 1024 and 4 warps: the fused draw no faster
-# than the eager rule at batch 1, bench/gpu-sampler-h100.json); wider blocks and more warps keep more
-# loads in flight. A row split over several programs (two stages) is the next step.
+# Tokens a loop iteration reads, and warps a program (wide: a program's iterations depend on each other)
 BLOCK = 4096
 WARPS = 8
 
@@ -48,7 +47,7 @@ WARPS = 8
 @functools.lru_cache(maxsize=None)
 def _kernels():
     # module globals: Triton's interpreter runs a kernel with its module's globals only, not this closure
-    global hash32, row_key, uniform, gumbel, top_k_mass, nucleus
+    global hash32, row_key, uniform, gumbel, nucleus
     import triton
     import triton.language as tl
 
@@ -77,29 +76,46 @@ def _kernels():
         return -tl.log(-tl.log(uniform(key, tokens)))
 
     @triton.jit
-    def draw_full(logits_ptr, temp_ptr, seed_ptr, step_ptr, out_ptr, stride, V: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
+    def draw_full(logits_ptr, temp_ptr, seed_ptr, step_ptr, best_v_ptr, best_t_ptr, stride, V: tl.constexpr,
+                  CHUNK: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr):
+        """Chunk c of row r: its best score and token (the first of equal ones) into [r, c]."""
+        row, c = tl.program_id(0), tl.program_id(1)
         temp = tl.load(temp_ptr + row)
         greedy = temp == 0.0
         key = row_key(tl.load(seed_ptr + row), tl.load(step_ptr + row))
         best_v = tl.full((), float("-inf"), tl.float32)
         best_t = tl.full((), 0, tl.int64)
-        for start in range(0, V, BLOCK):
-            t = start + tl.arange(0, BLOCK)
+        for i in range(0, CHUNK, BLOCK):
+            t = c * CHUNK + i + tl.arange(0, BLOCK)
             live = t < V
             x = tl.load(logits_ptr + row * stride + t, mask=live, other=0.0).to(tl.float32)
             score = tl.where(greedy, x, tl.math.div_rn(x, tl.where(greedy, 1.0, temp)) + gumbel(key, t))
             score = tl.where(live, score, float("-inf"))
             v = tl.max(score, 0)
-            i = tl.argmax(score, 0)
             better = v > best_v  # strictly: the first of equal scores wins, as torch.argmax picks it
-            best_t = tl.where(better, (start + i).to(tl.int64), best_t)
+            best_t = tl.where(better, (c * CHUNK + i + tl.argmax(score, 0)).to(tl.int64), best_t)
             best_v = tl.where(better, v, best_v)
-        tl.store(out_ptr + row, best_t)
+        tl.store(best_v_ptr + row * C + c, best_v)
+        tl.store(best_t_ptr + row * C + c, best_t)
 
     @triton.jit
-    def draw_sorted(vals_ptr, idx_ptr, temp_ptr, topk_ptr, topp_ptr, seed_ptr, step_ptr, out_ptr, stride_v, stride_i,
-                    V: tl.constexpr, BLOCK: tl.constexpr, RUNTIME_LOOP: tl.constexpr):
+    def mass_partials(vals_ptr, topk_ptr, part_ptr, stride_v, L1: tl.constexpr, V: tl.constexpr,
+                      CHUNK: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr):
+        """Chunk c of sorted row r: the mass (relative to exp of the row's first value) of its tokens ranked
+        under the row's top-k (the k of batch row r // L1) into [r, c]."""
+        r, c = tl.program_id(0), tl.program_id(1)
+        k = tl.minimum(tl.load(topk_ptr + r // L1), V)
+        vrow = vals_ptr + r * stride_v
+        m = tl.load(vrow)
+        acc = tl.zeros((BLOCK,), tl.float32)
+        for i in range(0, CHUNK, BLOCK):
+            pos = c * CHUNK + i + tl.arange(0, BLOCK)
+            acc += tl.where(pos < k, tl.exp(tl.load(vrow + pos, mask=pos < k, other=0.0) - m), 0.0)
+        tl.store(part_ptr + r * C + c, tl.sum(acc, 0))
+
+    @triton.jit
+    def draw_sorted(vals_ptr, idx_ptr, temp_ptr, topk_ptr, topp_ptr, seed_ptr, step_ptr, mass_ptr, out_ptr, stride_v,
+                    stride_i, V: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         vrow = vals_ptr + row * stride_v
         irow = idx_ptr + row * stride_i
@@ -109,25 +125,10 @@ def _kernels():
         else:
             k = tl.minimum(tl.load(topk_ptr + row), V)
             m = tl.load(vrow)  # the row's largest scaled logit: the mass is counted relative to it
-            limit = tl.load(topp_ptr + row) * top_k_mass(vrow, m, k, V, BLOCK, RUNTIME_LOOP)
+            limit = tl.load(topp_ptr + row) * tl.sum(tl.load(mass_ptr + row * C + tl.arange(0, C)), 0)
             key = row_key(tl.load(seed_ptr + row), tl.load(step_ptr + row))
             _, _, _, token = nucleus(vrow, irow, m, k, limit, -1, key, True, False, V, BLOCK)
             tl.store(out_ptr + row, token)
-
-    @triton.jit
-    def top_k_mass(vrow, m, k, V: tl.constexpr, BLOCK: tl.constexpr, RUNTIME_LOOP: tl.constexpr):
-        """The mass (relative to exp(m)) of a sorted row's first k tokens: on a GPU a loop to k, under the
-        interpreter (which needs a constant trip count) to V with the rest masked."""
-        acc = tl.zeros((BLOCK,), tl.float32)
-        if RUNTIME_LOOP:
-            for start in range(0, k, BLOCK):
-                r = start + tl.arange(0, BLOCK)
-                acc += tl.where(r < k, tl.exp(tl.load(vrow + r, mask=r < k, other=0.0) - m), 0.0)
-        else:
-            for start in range(0, V, BLOCK):
-                r = start + tl.arange(0, BLOCK)
-                acc += tl.where(r < k, tl.exp(tl.load(vrow + r, mask=r < k, other=0.0) - m), 0.0)
-        return tl.sum(acc, 0)
 
     @triton.jit
     def nucleus(vrow, irow, m, k, limit, exclude, key, SORTED: tl.constexpr, EXCLUDE: tl.constexpr,
@@ -174,9 +175,9 @@ def _kernels():
         return kept, share, tok_x, tok_i
 
     @triton.jit
-    def accept(vals_ptr, idx_ptr, drafts_ptr, temp_ptr, topk_ptr, topp_ptr, seed_ptr, step_ptr, keep_ptr, next_ptr,
-               stride_v, stride_i, L: tl.constexpr, V: tl.constexpr, SORTED: tl.constexpr, BLOCK: tl.constexpr,
-               RUNTIME_LOOP: tl.constexpr):
+    def accept(vals_ptr, idx_ptr, drafts_ptr, temp_ptr, topk_ptr, topp_ptr, seed_ptr, step_ptr, mass_ptr, keep_ptr,
+               next_ptr, stride_v, stride_i, L: tl.constexpr, V: tl.constexpr, SORTED: tl.constexpr, C: tl.constexpr,
+               BLOCK: tl.constexpr):
         b = tl.program_id(0)
         greedy = tl.load(temp_ptr + b) == 0.0
         k = tl.minimum(tl.load(topk_ptr + b), V)
@@ -203,7 +204,7 @@ def _kernels():
                     first = tl.where(v > m, (start + tl.argmax(x, 0)).to(tl.int64), first)
                     m = tl.maximum(m, v)
             if SORTED:
-                limit = top_p * top_k_mass(vrow, m, k, V, BLOCK, RUNTIME_LOOP)
+                limit = top_p * tl.sum(tl.load(mass_ptr + (b * (L + 1) + j) * C + tl.arange(0, C)), 0)
             else:  # no row truncates: the nucleus is the whole row
                 limit = tl.full((), float("inf"), tl.float32)
             if j < L:
@@ -222,16 +223,42 @@ def _kernels():
         tl.store(keep_ptr + b, keep.to(tl.int64))
         tl.store(next_ptr + b, nxt)
 
-    return draw_full, draw_sorted, accept
+    return draw_full, draw_sorted, accept, mass_partials
+
+
+def chunks(vocab: int) -> tuple[int, int]:
+    """(tokens a chunk, chunks a row: a power of two, at most MAX_CHUNKS) for the kernels that split a row
+    over programs (the draw without truncation, the top-k mass)."""
+    blocks = -(-vocab // BLOCK)
+    c = min(MAX_CHUNKS, 1 << (blocks - 1).bit_length())
+    return -(-blocks // c) * BLOCK, c
+
+
+MAX_CHUNKS = 64
+
+
+def top_k_mass(vals: torch.Tensor, top_k: torch.Tensor, rows_per_k: int = 1) -> torch.Tensor:
+    """Per sorted row of vals [R, V] and chunk, the mass of its top-k tokens relative to its first
+    ([R, chunks] float32; top_k [R // rows_per_k])."""
+    rows, vocab = vals.shape
+    chunk, c = chunks(vocab)
+    part = torch.empty((rows, c), dtype=torch.float32, device=vals.device)
+    _kernels()[3][(rows, c)](vals, top_k, part, vals.stride(0), L1=rows_per_k, V=vocab, CHUNK=chunk, C=c,
+                             BLOCK=BLOCK, num_warps=WARPS)
+    return part
 
 
 def draw_full(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     """Tokens [n] (int64) of logits [n, V] (float32) at temperatures [n] (0: greedy) with no truncation,
-    `seeds` and `steps` [n] (int64) seeding each row's noise."""
+    `seeds` and `steps` [n] (int64) seeding each row's noise: each row split over chunks, the chunks' best
+    reduced by torch (the first chunk of equal bests: the first token, as argmax picks it)."""
     n, vocab = logits.shape
-    out = torch.empty(n, dtype=torch.long, device=logits.device)
-    _kernels()[0][(n,)](logits, temps, seeds, steps, out, logits.stride(0), V=vocab, BLOCK=BLOCK, num_warps=WARPS)
-    return out
+    chunk, c = chunks(vocab)
+    best_v = torch.empty((n, c), dtype=torch.float32, device=logits.device)
+    best_t = torch.empty((n, c), dtype=torch.long, device=logits.device)
+    _kernels()[0][(n, c)](logits, temps, seeds, steps, best_v, best_t, logits.stride(0), V=vocab, CHUNK=chunk, C=c,
+                          BLOCK=BLOCK, num_warps=WARPS)
+    return best_t.gather(1, best_v.argmax(1, keepdim=True)).squeeze(1)
 
 
 def draw_sorted(vals: torch.Tensor, idx: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor,
@@ -239,9 +266,10 @@ def draw_sorted(vals: torch.Tensor, idx: torch.Tensor, temps: torch.Tensor, top_
     """Tokens [n] of rows sorted in descending order (vals [n, V] float32 scaled logits, idx their token
     ids, as a stable torch.sort gives them), with top-k [n] (the vocabulary for none), top-p [n]."""
     n, vocab = vals.shape
+    mass = top_k_mass(vals, top_k)
     out = torch.empty(n, dtype=torch.long, device=vals.device)
-    _kernels()[1][(n,)](vals, idx, temps, top_k, top_p, seeds, steps, out, vals.stride(0), idx.stride(0), V=vocab,
-                        BLOCK=BLOCK, RUNTIME_LOOP=not interpreted(), num_warps=WARPS)
+    _kernels()[1][(n,)](vals, idx, temps, top_k, top_p, seeds, steps, mass, out, vals.stride(0), idx.stride(0),
+                        V=vocab, C=mass.shape[1], BLOCK=BLOCK, num_warps=WARPS)
     return out
 
 
@@ -256,7 +284,8 @@ def accept(vals: torch.Tensor, idx: Optional[torch.Tensor], drafts: torch.Tensor
     keep = torch.empty(n, dtype=torch.long, device=vals.device)
     nxt = torch.empty(n, dtype=torch.long, device=vals.device)
     ids = vals if idx is None else idx  # an unused pointer where unsorted
-    _kernels()[2][(n,)](vals, ids, drafts, temps, top_k, top_p, seeds, steps, keep, nxt, vals.stride(0),
-                        ids.stride(0), L=L, V=vocab, SORTED=idx is not None, BLOCK=BLOCK,
-                        RUNTIME_LOOP=not interpreted(), num_warps=WARPS)
+    mass = top_k_mass(vals, top_k, L + 1) if idx is not None else keep  # (unused where unsorted)
+    _kernels()[2][(n,)](vals, ids, drafts, temps, top_k, top_p, seeds, steps, mass, keep, nxt, vals.stride(0),
+                        ids.stride(0), L=L, V=vocab, SORTED=idx is not None, C=chunks(vocab)[1], BLOCK=BLOCK,
+                        num_warps=WARPS)
     return keep, nxt
