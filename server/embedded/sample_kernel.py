@@ -16,11 +16,12 @@ eager rule at batch 1 on an H100: bench/gpu-sampler-h100.json):
   keeping tokens while the mass ranked above them is under top_p of it (at least one), adding each
   one's noise and keeping the running best; it stops at the first block past the nucleus (short at
   the recipes' top-p).
-- `accept` (speculative.accept_device's rule): one program a row walks the nuclei of its L+1 positions
-  (the top-k masses from `mass_partials`; where no row truncates, the whole unsorted row, in one
-  program: not split yet): each draft's share of its position's nucleus against the row's seeded
-  uniform, and at the first rejection the noisy best of the nucleus without the rejected draft (with
-  every draft kept, of the last position's).
+- `accept` (speculative.accept_device's rule): one program a row takes its L+1 positions in turn:
+  each draft's share of its position's nucleus against the row's seeded uniform, and at the first
+  rejection the noisy best of the nucleus without the rejected draft (with every draft kept, of the
+  last position's). Sorted rows: the nucleus walk as above, after `mass_partials`; where no row
+  truncates the nucleus is the whole row, and `position_stats` reduces each chunk of it first (max,
+  mass, the draft's share, the best noisy tokens with and without the draft).
 
 A greedy row takes the argmax of its logits (`draw_full`) or its sorted row's first token (the
 same token: a stable sort puts the first of equal maxima first, as argmax picks it).
@@ -175,9 +176,61 @@ def _kernels():
         return kept, share, tok_x, tok_i
 
     @triton.jit
-    def accept(vals_ptr, idx_ptr, drafts_ptr, temp_ptr, topk_ptr, topp_ptr, seed_ptr, step_ptr, mass_ptr, keep_ptr,
-               next_ptr, stride_v, stride_i, L: tl.constexpr, V: tl.constexpr, SORTED: tl.constexpr, C: tl.constexpr,
-               BLOCK: tl.constexpr):
+    def position_stats(vals_ptr, drafts_ptr, seed_ptr, step_ptr, f_ptr, i_ptr, stride_v, L: tl.constexpr,
+                       V: tl.constexpr, CHUNK: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr):
+        """Chunk c of unsorted position row r (batch row r // (L+1), position r % (L+1)): its max and first
+        argmax, its mass and the position's draft's share relative to that max, and its best noisy token
+        with and without the draft, into f [R, 5, C] (max, mass, share, best, best without) and i [R, 3, C]
+        (argmax, best token, best token without): `accept` combines the chunks."""
+        r, c = tl.program_id(0), tl.program_id(1)
+        b, j = r // (L + 1), r % (L + 1)
+        d = tl.where(j < L, tl.load(drafts_ptr + b * L + tl.minimum(j, L - 1)), -1)
+        key = row_key(tl.load(seed_ptr + b), tl.load(step_ptr + b) + (1 << 20))  # the next token's noise
+        vrow = vals_ptr + r * stride_v
+        m = tl.full((), float("-inf"), tl.float32)
+        first = tl.full((), 0, tl.int64)
+        mass = tl.full((), 0.0, tl.float32)
+        share = tl.full((), 0.0, tl.float32)
+        bi_v = tl.full((), float("-inf"), tl.float32)
+        bi_t = tl.full((), 0, tl.int64)
+        bx_v = tl.full((), float("-inf"), tl.float32)
+        bx_t = tl.full((), 0, tl.int64)
+        for i in range(0, CHUNK, BLOCK):
+            t = c * CHUNK + i + tl.arange(0, BLOCK)
+            live = t < V
+            x = tl.load(vrow + t, mask=live, other=float("-inf"))
+            bm = tl.max(x, 0)
+            first = tl.where(bm > m, (c * CHUNK + i + tl.argmax(x, 0)).to(tl.int64), first)
+            m_new = tl.maximum(m, bm)
+            m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)  # -inf only in a block past the row's end
+            rescale = tl.exp(m - m_ref)
+            e = tl.where(live, tl.exp(x - m_ref), 0.0)
+            mass = mass * rescale + tl.sum(e, 0)
+            share = share * rescale + tl.sum(tl.where(t == d, e, 0.0), 0)
+            m = m_new
+            score = tl.where(live, x + gumbel(key, t), float("-inf"))
+            v = tl.max(score, 0)
+            better = v > bi_v
+            bi_t = tl.where(better, (c * CHUNK + i + tl.argmax(score, 0)).to(tl.int64), bi_t)
+            bi_v = tl.where(better, v, bi_v)
+            score = tl.where(t == d, float("-inf"), score)
+            v = tl.max(score, 0)
+            better = v > bx_v
+            bx_t = tl.where(better, (c * CHUNK + i + tl.argmax(score, 0)).to(tl.int64), bx_t)
+            bx_v = tl.where(better, v, bx_v)
+        tl.store(f_ptr + (r * 5 + 0) * C + c, m)
+        tl.store(f_ptr + (r * 5 + 1) * C + c, mass)
+        tl.store(f_ptr + (r * 5 + 2) * C + c, share)
+        tl.store(f_ptr + (r * 5 + 3) * C + c, bi_v)
+        tl.store(f_ptr + (r * 5 + 4) * C + c, bx_v)
+        tl.store(i_ptr + (r * 3 + 0) * C + c, first)
+        tl.store(i_ptr + (r * 3 + 1) * C + c, bi_t)
+        tl.store(i_ptr + (r * 3 + 2) * C + c, bx_t)
+
+    @triton.jit
+    def accept(vals_ptr, idx_ptr, drafts_ptr, temp_ptr, topk_ptr, topp_ptr, seed_ptr, step_ptr, mass_ptr, f_ptr, i_ptr,
+               keep_ptr, next_ptr, stride_v, stride_i, L: tl.constexpr, V: tl.constexpr, SORTED: tl.constexpr,
+               C: tl.constexpr, BLOCK: tl.constexpr):
         b = tl.program_id(0)
         greedy = tl.load(temp_ptr + b) == 0.0
         k = tl.minimum(tl.load(topk_ptr + b), V)
@@ -191,27 +244,26 @@ def _kernels():
         for j in tl.static_range(L + 1):
             vrow = vals_ptr + (b * (L + 1) + j) * stride_v
             irow = idx_ptr + (b * (L + 1) + j) * stride_i
-            if SORTED:  # largest first, ties in token order
-                m = tl.load(vrow)
-                first = tl.load(irow)
-            else:
-                m = tl.full((), float("-inf"), tl.float32)
-                first = tl.full((), 0, tl.int64)
-                for start in range(0, V, BLOCK):
-                    r = start + tl.arange(0, BLOCK)
-                    x = tl.load(vrow + r, mask=r < V, other=float("-inf"))
-                    v = tl.max(x, 0)
-                    first = tl.where(v > m, (start + tl.argmax(x, 0)).to(tl.int64), first)
-                    m = tl.maximum(m, v)
-            if SORTED:
-                limit = top_p * tl.sum(tl.load(mass_ptr + (b * (L + 1) + j) * C + tl.arange(0, C)), 0)
-            else:  # no row truncates: the nucleus is the whole row
-                limit = tl.full((), float("inf"), tl.float32)
             if j < L:
                 d = tl.load(drafts_ptr + b * L + j)
             else:
                 d = tl.full((), -1, tl.int64)
-            kept, share, tok_x, tok_i = nucleus(vrow, irow, m, k, limit, d, key_draw, SORTED, True, V, BLOCK)
+            if SORTED:  # largest first, ties in token order
+                m = tl.load(vrow)
+                first = tl.load(irow)
+                limit = top_p * tl.sum(tl.load(mass_ptr + (b * (L + 1) + j) * C + tl.arange(0, C)), 0)
+                kept, share, tok_x, tok_i = nucleus(vrow, irow, m, k, limit, d, key_draw, SORTED, True, V, BLOCK)
+            else:  # no row truncates: the whole row, from its chunks' statistics (position_stats)
+                fr = f_ptr + (b * (L + 1) + j) * 5 * C + tl.arange(0, C)
+                ir = i_ptr + (b * (L + 1) + j) * 3 * C
+                ms = tl.load(fr)
+                m = tl.max(ms, 0)
+                first = tl.load(ir + tl.argmax(ms, 0))  # the first chunk holding the max: the first token
+                w = tl.where(ms > float("-inf"), tl.exp(ms - m), 0.0)
+                kept = tl.sum(tl.load(fr + C) * w, 0)
+                share = tl.sum(tl.load(fr + 2 * C) * w, 0)
+                tok_i = tl.load(ir + C + tl.argmax(tl.load(fr + 3 * C), 0))
+                tok_x = tl.load(ir + 2 * C + tl.argmax(tl.load(fr + 4 * C), 0))
             if j < L:  # draft j kept with probability P_j(d_j); at the first rejection, P_j without d_j
                 u = uniform(key_u, tl.full((), j + 0x51ED, tl.int64))
                 ok = tl.where(greedy, d == first, u < share / kept)
@@ -223,7 +275,7 @@ def _kernels():
         tl.store(keep_ptr + b, keep.to(tl.int64))
         tl.store(next_ptr + b, nxt)
 
-    return draw_full, draw_sorted, accept, mass_partials
+    return draw_full, draw_sorted, accept, mass_partials, position_stats
 
 
 def chunks(vocab: int) -> tuple[int, int]:
@@ -283,9 +335,16 @@ def accept(vals: torch.Tensor, idx: Optional[torch.Tensor], drafts: torch.Tensor
     vocab = vals.shape[1]
     keep = torch.empty(n, dtype=torch.long, device=vals.device)
     nxt = torch.empty(n, dtype=torch.long, device=vals.device)
-    ids = vals if idx is None else idx  # an unused pointer where unsorted
-    mass = top_k_mass(vals, top_k, L + 1) if idx is not None else keep  # (unused where unsorted)
-    _kernels()[2][(n,)](vals, ids, drafts, temps, top_k, top_p, seeds, steps, mass, keep, nxt, vals.stride(0),
-                        ids.stride(0), L=L, V=vocab, SORTED=idx is not None, C=chunks(vocab)[1], BLOCK=BLOCK,
-                        num_warps=WARPS)
+    chunk, c = chunks(vocab)
+    if idx is not None:
+        mass = top_k_mass(vals, top_k, L + 1)
+        f, i, ids = mass, keep, idx  # (f and i unused)
+    else:  # the rows' statistics a chunk at a time; `accept` combines them
+        f = torch.empty((n * (L + 1), 5, c), dtype=torch.float32, device=vals.device)
+        i = torch.empty((n * (L + 1), 3, c), dtype=torch.long, device=vals.device)
+        _kernels()[4][(n * (L + 1), c)](vals, drafts, seeds, steps, f, i, vals.stride(0), L=L, V=vocab, CHUNK=chunk,
+                                        C=c, BLOCK=BLOCK, num_warps=WARPS)
+        mass, ids = f, vals  # (unused)
+    _kernels()[2][(n,)](vals, ids, drafts, temps, top_k, top_p, seeds, steps, mass, f, i, keep, nxt, vals.stride(0),
+                        ids.stride(0), L=L, V=vocab, SORTED=idx is not None, C=c, BLOCK=BLOCK, num_warps=WARPS)
     return keep, nxt
