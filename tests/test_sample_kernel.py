@@ -181,3 +181,32 @@ def test_the_steps_build_their_sampling_kernels_at_warm_up(monkeypatch):
         assert calls[2:] == ["draw_full", "draw_sorted", "accept", "accept"] and not sampler._FUSED_FAILED
     finally:
         sampler.fused_sampler.cache_clear()
+
+
+@pytest.mark.parametrize("max_chunks", [1, 2])
+def test_chunks_of_several_blocks_and_ties_across_blocks(monkeypatch, max_chunks):
+    """With fewer chunks a row than blocks, a program's loop runs over several blocks (its running best,
+    its rescaled mass): the same tokens and verdicts, and equal maxima in three blocks give the first."""
+    from server.embedded import sample_kernel
+    from server.embedded.speculative import accept_fused, reference_accept
+
+    monkeypatch.setattr(sample_kernel, "MAX_CHUNKS", max_chunks)
+    assert sample_kernel.chunks(VOCAB)[0] > sample_kernel.BLOCK
+    n, L = len(ROWS), 3
+    g = torch.Generator().manual_seed(8)
+    logits = (torch.randn(n, L + 1, VOCAB, generator=g) * 2).to(DEVICE)
+    top = logits.max() + 1
+    for t in (8192 + 5, 5, 4096 + 5):  # the first of them is every greedy row's token
+        logits[:, :, t] = top
+    seeds, steps = [21 + i for i in range(n)], [3] * n
+    assert draw_fused(logits[:, 0], ROWS, seeds, steps).tolist() == reference_draw(logits[:, 0], ROWS, seeds,
+                                                                                     steps).tolist()
+    plain = [p for p in ROWS if not (p.top_k or p.top_p < 1.0)]
+    for rows in (ROWS, plain):
+        k = len(rows)
+        drafts = torch.tensor([[5, 4096 + 5, 7]] * k, device=DEVICE)
+        got = accept_fused(logits[:k], drafts, rows, seeds[:k], steps[:k])
+        want = reference_accept(logits[:k], drafts, rows, seeds[:k], steps[:k])
+        assert [x.tolist() for x in got] == [x.tolist() for x in want]
+    greedy = [i for i, p in enumerate(ROWS) if p.temperature == 0]
+    assert all(draw_fused(logits[:, 0], ROWS, seeds, steps)[i] == 5 for i in greedy)

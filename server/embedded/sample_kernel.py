@@ -86,16 +86,17 @@ def _kernels():
         key = row_key(tl.load(seed_ptr + row), tl.load(step_ptr + row))
         best_v = tl.full((), float("-inf"), tl.float32)
         best_t = tl.full((), 0, tl.int64)
-        for i in range(0, CHUNK, BLOCK):
-            t = c * CHUNK + i + tl.arange(0, BLOCK)
-            live = t < V
-            x = tl.load(logits_ptr + row * stride + t, mask=live, other=0.0).to(tl.float32)
-            score = tl.where(greedy, x, tl.math.div_rn(x, tl.where(greedy, 1.0, temp)) + gumbel(key, t))
-            score = tl.where(live, score, float("-inf"))
-            v = tl.max(score, 0)
-            better = v > best_v  # strictly: the first of equal scores wins, as torch.argmax picks it
-            best_t = tl.where(better, (c * CHUNK + i + tl.argmax(score, 0)).to(tl.int64), best_t)
-            best_v = tl.where(better, v, best_v)
+        if c * CHUNK < V:  # a chunk past the row's end (C is a power of two) has nothing to do
+            for i in range(0, CHUNK, BLOCK):
+                t = c * CHUNK + i + tl.arange(0, BLOCK)
+                live = t < V
+                x = tl.load(logits_ptr + row * stride + t, mask=live, other=0.0).to(tl.float32)
+                score = tl.where(greedy, x, tl.math.div_rn(x, tl.where(greedy, 1.0, temp)) + gumbel(key, t))
+                score = tl.where(live, score, float("-inf"))
+                v = tl.max(score, 0)
+                better = v > best_v  # strictly: the first of equal scores wins, as torch.argmax picks it
+                best_t = tl.where(better, (c * CHUNK + i + tl.argmax(score, 0)).to(tl.int64), best_t)
+                best_v = tl.where(better, v, best_v)
         tl.store(best_v_ptr + row * C + c, best_v)
         tl.store(best_t_ptr + row * C + c, best_t)
 
@@ -109,9 +110,10 @@ def _kernels():
         vrow = vals_ptr + r * stride_v
         m = tl.load(vrow)
         acc = tl.zeros((BLOCK,), tl.float32)
-        for i in range(0, CHUNK, BLOCK):
-            pos = c * CHUNK + i + tl.arange(0, BLOCK)
-            acc += tl.where(pos < k, tl.exp(tl.load(vrow + pos, mask=pos < k, other=0.0) - m), 0.0)
+        if c * CHUNK < k:  # (a chunk with none of the top-k adds nothing)
+            for i in range(0, CHUNK, BLOCK):
+                pos = c * CHUNK + i + tl.arange(0, BLOCK)
+                acc += tl.where(pos < k, tl.exp(tl.load(vrow + pos, mask=pos < k, other=0.0) - m), 0.0)
         tl.store(part_ptr + r * C + c, tl.sum(acc, 0))
 
     @triton.jit
@@ -195,29 +197,30 @@ def _kernels():
         bi_t = tl.full((), 0, tl.int64)
         bx_v = tl.full((), float("-inf"), tl.float32)
         bx_t = tl.full((), 0, tl.int64)
-        for i in range(0, CHUNK, BLOCK):
-            t = c * CHUNK + i + tl.arange(0, BLOCK)
-            live = t < V
-            x = tl.load(vrow + t, mask=live, other=float("-inf"))
-            bm = tl.max(x, 0)
-            first = tl.where(bm > m, (c * CHUNK + i + tl.argmax(x, 0)).to(tl.int64), first)
-            m_new = tl.maximum(m, bm)
-            m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)  # -inf only in a block past the row's end
-            rescale = tl.exp(m - m_ref)
-            e = tl.where(live, tl.exp(x - m_ref), 0.0)
-            mass = mass * rescale + tl.sum(e, 0)
-            share = share * rescale + tl.sum(tl.where(t == d, e, 0.0), 0)
-            m = m_new
-            score = tl.where(live, x + gumbel(key, t), float("-inf"))
-            v = tl.max(score, 0)
-            better = v > bi_v
-            bi_t = tl.where(better, (c * CHUNK + i + tl.argmax(score, 0)).to(tl.int64), bi_t)
-            bi_v = tl.where(better, v, bi_v)
-            score = tl.where(t == d, float("-inf"), score)
-            v = tl.max(score, 0)
-            better = v > bx_v
-            bx_t = tl.where(better, (c * CHUNK + i + tl.argmax(score, 0)).to(tl.int64), bx_t)
-            bx_v = tl.where(better, v, bx_v)
+        if c * CHUNK < V:  # a chunk past the row's end (C is a power of two) has nothing to do
+            for i in range(0, CHUNK, BLOCK):
+                t = c * CHUNK + i + tl.arange(0, BLOCK)
+                live = t < V
+                x = tl.load(vrow + t, mask=live, other=float("-inf"))
+                bm = tl.max(x, 0)
+                first = tl.where(bm > m, (c * CHUNK + i + tl.argmax(x, 0)).to(tl.int64), first)
+                m_new = tl.maximum(m, bm)
+                m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)  # -inf only in a block past the row's end
+                rescale = tl.exp(m - m_ref)
+                e = tl.where(live, tl.exp(x - m_ref), 0.0)
+                mass = mass * rescale + tl.sum(e, 0)
+                share = share * rescale + tl.sum(tl.where(t == d, e, 0.0), 0)
+                m = m_new
+                score = tl.where(live, x + gumbel(key, t), float("-inf"))
+                v = tl.max(score, 0)
+                better = v > bi_v
+                bi_t = tl.where(better, (c * CHUNK + i + tl.argmax(score, 0)).to(tl.int64), bi_t)
+                bi_v = tl.where(better, v, bi_v)
+                score = tl.where(t == d, float("-inf"), score)
+                v = tl.max(score, 0)
+                better = v > bx_v
+                bx_t = tl.where(better, (c * CHUNK + i + tl.argmax(score, 0)).to(tl.int64), bx_t)
+                bx_v = tl.where(better, v, bx_v)
         tl.store(f_ptr + (r * 5 + 0) * C + c, m)
         tl.store(f_ptr + (r * 5 + 1) * C + c, mass)
         tl.store(f_ptr + (r * 5 + 2) * C + c, share)
