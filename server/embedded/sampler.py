@@ -211,7 +211,7 @@ def _truncates(params: Sequence[SamplingParams]) -> bool:
 
 def draw_fused(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int], steps: Sequence[int]
                ) -> torch.Tensor:
-    """`reference_draw`'s rule in one Triton launch (after the sort where a row truncates; the numbers
+    """`reference_draw`'s rule in a few Triton launches (after the sort where a row truncates; the numbers
     and their limits: sample_kernel.py). Float32 logits [n, V]; two host-to-device copies of settings."""
     from server.embedded.sample_kernel import draw_full, draw_sorted
 

@@ -100,7 +100,7 @@ def accept_device(logits: torch.Tensor, drafts: torch.Tensor, params: Sequence[S
                   seeds: Sequence[int], steps: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """`accept_host` batched on the logits' device: returns (kept drafts [n], next token [n]) as
     device tensors, so the step needs one transfer. logits [n, L+1, V], drafts [n, L] (long).
-    On CUDA one Triton launch after the sort (`accept_fused`), else `reference_accept`."""
+    On CUDA a few Triton launches (`accept_fused`), else `reference_accept`."""
     if logits.is_cuda and fused_sampler():
         try:
             return accept_fused(logits, drafts, params, seeds, steps)
@@ -112,7 +112,7 @@ def accept_device(logits: torch.Tensor, drafts: torch.Tensor, params: Sequence[S
 def accept_fused(logits: torch.Tensor, drafts: torch.Tensor, params: Sequence[SamplingParams],
                  seeds: Sequence[int], steps: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """`reference_accept`'s rule as sample_kernel.accept: a stable sort of the scaled logits where a row
-    truncates, then one program a row walks its L+1 nuclei (the draft's share, the uniforms, the draw)."""
+    truncates, then a program a row takes its L+1 positions (the draft's share, the uniforms, the draw)."""
     from server.embedded.sample_kernel import accept
 
     n, t, vocab = logits.shape
@@ -125,8 +125,7 @@ def accept_fused(logits: torch.Tensor, drafts: torch.Tensor, params: Sequence[Sa
     idx = None
     if _truncates(params):
         scaled, idx = torch.sort(scaled, stable=True, dim=-1, descending=True)
-    return accept(scaled, idx, drafts.long().contiguous(), floats[0], ints[2], floats[1], ints[0],
-                                ints[1])
+    return accept(scaled, idx, drafts.long().contiguous(), floats[0], ints[2], floats[1], ints[0], ints[1])
 
 
 def reference_accept(logits: torch.Tensor, drafts: torch.Tensor, params: Sequence[SamplingParams],
