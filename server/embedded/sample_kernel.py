@@ -48,7 +48,7 @@ WARPS = 8
 @functools.lru_cache(maxsize=None)
 def _kernels():
     # module globals: Triton's interpreter runs a kernel with its module's globals only, not this closure
-    global hash32, row_key, uniform, gumbel, nucleus
+    global hash32, row_key, uniform, gumbel, running_best, nucleus
     import triton
     import triton.language as tl
 
@@ -77,6 +77,15 @@ def _kernels():
         return -tl.log(-tl.log(uniform(key, tokens)))
 
     @triton.jit
+    def running_best(score, tokens, best_v, best_t):
+        """(best score, its token) after one more block of scores and their token ids: strictly better
+        only, so the first of equal scores wins, as torch.argmax picks it (tl.argmax takes the first)."""
+        v = tl.max(score, 0)
+        t = tl.sum(tl.where(tl.arange(0, score.shape[0]) == tl.argmax(score, 0), tokens, 0), 0).to(tl.int64)
+        better = v > best_v
+        return tl.where(better, v, best_v), tl.where(better, t, best_t)
+
+    @triton.jit
     def draw_full(logits_ptr, temp_ptr, seed_ptr, step_ptr, best_v_ptr, best_t_ptr, stride, V: tl.constexpr,
                   CHUNK: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr):
         """Chunk c of row r: its best score and token (the first of equal ones) into [r, c]."""
@@ -92,11 +101,7 @@ def _kernels():
                 live = t < V
                 x = tl.load(logits_ptr + row * stride + t, mask=live, other=0.0).to(tl.float32)
                 score = tl.where(greedy, x, tl.math.div_rn(x, tl.where(greedy, 1.0, temp)) + gumbel(key, t))
-                score = tl.where(live, score, float("-inf"))
-                v = tl.max(score, 0)
-                better = v > best_v  # strictly: the first of equal scores wins, as torch.argmax picks it
-                best_t = tl.where(better, (c * CHUNK + i + tl.argmax(score, 0)).to(tl.int64), best_t)
-                best_v = tl.where(better, v, best_v)
+                best_v, best_t = running_best(tl.where(live, score, float("-inf")), t, best_v, best_t)
         tl.store(best_v_ptr + row * C + c, best_v)
         tl.store(best_t_ptr + row * C + c, best_t)
 
@@ -161,18 +166,9 @@ def _kernels():
             kept += tl.sum(tl.where(keep, e, 0.0), 0)
             share += tl.sum(tl.where(keep & (tokens == exclude), e, 0.0), 0)
             score = tl.where(keep, x + gumbel(key, tokens), float("-inf"))
-            v = tl.max(score, 0)
-            t = tl.sum(tl.where(tl.arange(0, BLOCK) == tl.argmax(score, 0), tokens, 0), 0)
-            better = v > best_i
-            tok_i = tl.where(better, t, tok_i)
-            best_i = tl.where(better, v, best_i)
+            best_i, tok_i = running_best(score, tokens, best_i, tok_i)
             if EXCLUDE:
-                score = tl.where(tokens == exclude, float("-inf"), score)
-                v = tl.max(score, 0)
-                t = tl.sum(tl.where(tl.arange(0, BLOCK) == tl.argmax(score, 0), tokens, 0), 0)
-                better = v > best_x
-                tok_x = tl.where(better, t, tok_x)
-                best_x = tl.where(better, v, best_x)
+                best_x, tok_x = running_best(tl.where(tokens == exclude, float("-inf"), score), tokens, best_x, tok_x)
             above += tl.sum(e, 0)
             start += BLOCK
         return kept, share, tok_x, tok_i
@@ -202,9 +198,7 @@ def _kernels():
                 t = c * CHUNK + i + tl.arange(0, BLOCK)
                 live = t < V
                 x = tl.load(vrow + t, mask=live, other=float("-inf"))
-                bm = tl.max(x, 0)
-                first = tl.where(bm > m, (c * CHUNK + i + tl.argmax(x, 0)).to(tl.int64), first)
-                m_new = tl.maximum(m, bm)
+                m_new, first = running_best(x, t, m, first)
                 m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)  # -inf only in a block past the row's end
                 rescale = tl.exp(m - m_ref)
                 e = tl.where(live, tl.exp(x - m_ref), 0.0)
@@ -212,15 +206,8 @@ def _kernels():
                 share = share * rescale + tl.sum(tl.where(t == d, e, 0.0), 0)
                 m = m_new
                 score = tl.where(live, x + gumbel(key, t), float("-inf"))
-                v = tl.max(score, 0)
-                better = v > bi_v
-                bi_t = tl.where(better, (c * CHUNK + i + tl.argmax(score, 0)).to(tl.int64), bi_t)
-                bi_v = tl.where(better, v, bi_v)
-                score = tl.where(t == d, float("-inf"), score)
-                v = tl.max(score, 0)
-                better = v > bx_v
-                bx_t = tl.where(better, (c * CHUNK + i + tl.argmax(score, 0)).to(tl.int64), bx_t)
-                bx_v = tl.where(better, v, bx_v)
+                bi_v, bi_t = running_best(score, t, bi_v, bi_t)
+                bx_v, bx_t = running_best(tl.where(t == d, float("-inf"), score), t, bx_v, bx_t)
         tl.store(f_ptr + (r * 5 + 0) * C + c, m)
         tl.store(f_ptr + (r * 5 + 1) * C + c, mass)
         tl.store(f_ptr + (r * 5 + 2) * C + c, share)
