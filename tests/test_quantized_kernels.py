@@ -174,3 +174,39 @@ def test_the_configuration_override_takes_one_configuration_or_bands_and_names_a
     for bad in ("", "64,128,4", "x=64,128,4,3", "16=64,128,four,3"):
         with pytest.raises(ValueError, match="W8A16_CONFIG"):
             parse_configs(bad)
+
+
+@pytest.mark.parametrize("m,split,bias", [(1, 1, True), (3, 2, False), (16, 4, True)])
+def test_a_16_bit_weight_with_a_unit_scale_is_the_plain_linear(m, split, bias):
+    """`dense_linear`'s Triton form: the model-dtype weight as it is, scale 1.0, against F.linear."""
+    from server.embedded.gpu_kernels import _unit, weight_only_linear
+
+    g = torch.Generator().manual_seed(m + split)
+    n, k = 80, 512
+    x = torch.randn(m, k, generator=g).to(DTYPE).to(DEVICE)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(DTYPE).to(DEVICE)
+    b = (torch.randn(n, generator=g) * 0.1).to(DTYPE).to(DEVICE) if bias else None
+    got = weight_only_linear(x, w, _unit(x.device), b, config=(16, 64, 4, 2), split=split)
+    ref = x.float() @ w.float().t() + (b.float() if bias else 0)
+    assert got.dtype == DTYPE and got.shape == (m, n)
+    rel = float((got.float() - ref).abs().max() / ref.abs().max())
+    assert rel < 1e-2, rel
+
+
+def test_dense_linear_is_f_linear_off_cuda_and_past_its_bounds(monkeypatch):
+    """The dispatch: off CUDA (and past DENSE_TRITON_MAX_ROWS rows or its weight size) it is F.linear, bit
+    for bit; the Triton form runs only on CUDA."""
+    import torch.nn.functional as F
+
+    from server.embedded import gpu_kernels
+
+    monkeypatch.setattr(gpu_kernels, "DENSE_TRITON_MAX_ROWS", 4)
+    x, w, b = torch.randn(2, 32), torch.randn(24, 32), torch.randn(24)
+    assert torch.equal(gpu_kernels.dense_linear(x, w, b), F.linear(x, w, b))
+    if CUDA:
+        xc, wc = x.to("cuda", torch.bfloat16), w.to("cuda", torch.bfloat16)
+        monkeypatch.setattr(gpu_kernels, "DENSE_TRITON_MAX_ELEMENTS", wc.numel() - 1)
+        assert torch.equal(gpu_kernels.dense_linear(xc, wc), F.linear(xc, wc))
+        monkeypatch.setattr(gpu_kernels, "DENSE_TRITON_MAX_ELEMENTS", wc.numel())
+        got = gpu_kernels.dense_linear(xc, wc)
+        assert float((got.float() - F.linear(xc, wc).float()).abs().max()) < 0.05

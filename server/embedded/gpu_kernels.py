@@ -26,6 +26,7 @@ import os
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 FP8_MAX = 448.0
 # FP8 weights run weight-only up to this many rows a GEMM, `_scaled_mm` above. 0: measured on the H200
@@ -44,6 +45,16 @@ FP8_ROWWISE_MIN_ROWS = int(os.environ.get("FP8_ROWWISE_MIN_ROWS", "17"))
 # is faster at 16 rows (the four linears 79.9 against 88.1 us, 81.1 tuned) and one row (80.6 against 85.8;
 # 79.2 with a tile tuned for each shape)
 FP8_TRITON_MAX_ROWS = int(os.environ.get("FP8_TRITON_MAX_ROWS", "0"))
+
+
+# 16-bit GEMMs of at most this many rows (decode at small batch) with at most DENSE_TRITON_MAX_ELEMENTS weights
+# run the weight-only kernel (the 16-bit weight as it is, a unit scale) instead of cuBLAS, in the
+# DENSE_TRITON_CONFIG tile ("n,k,warps,stages" or row bands, as W8A16_CONFIG). Profiled on an H100 (1.5B,
+# batch 1), cuBLAS reads the small q/k/v and o_proj weights (3-6 MB) at 1.1 TB/s where gate/up reach 2.5.
+# 0: off until the engine measures faster with it (`python -m server.bench.gpu` with the variable set)
+DENSE_TRITON_MAX_ROWS = int(os.environ.get("DENSE_TRITON_MAX_ROWS", "0"))
+DENSE_TRITON_MAX_ELEMENTS = int(os.environ.get("DENSE_TRITON_MAX_ELEMENTS", str(8 << 20)))
+DENSE_TRITON_CONFIG = "DENSE_TRITON_CONFIG"
 
 
 @functools.lru_cache(maxsize=None)
@@ -235,6 +246,28 @@ def weight_only_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
         reduce[(-(-(m * n) // block),)](part, scale, xs, b, out, m, n, SPLIT=split, BLOCK=block,
                                         PER_CHANNEL=per_channel, X_SCALE=x_scale is not None, HAS_BIAS=bias is not None)
     return out.reshape(*shape, n)
+
+
+@functools.lru_cache(maxsize=None)
+def _unit(device: torch.device) -> torch.Tensor:
+    """A float32 1.0 on `device`: the weight-only kernel's scale for a 16-bit weight."""
+    return torch.ones((), dtype=torch.float32, device=device)
+
+
+@functools.lru_cache(maxsize=None)
+def _dense_configs() -> dict[int, tuple[int, int, int, int]]:
+    return parse_configs(os.environ.get(DENSE_TRITON_CONFIG, "16,256,4,3"))
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for a 16-bit weight: on CUDA at most DENSE_TRITON_MAX_ROWS rows of a weight
+    of at most DENSE_TRITON_MAX_ELEMENTS run the weight-only Triton kernel (fp32 accumulation, split K
+    loops reduced in a fixed order), everything else cuBLAS."""
+    rows = x.numel() // max(1, x.shape[-1])
+    if (x.is_cuda and 0 < rows <= DENSE_TRITON_MAX_ROWS and weight.numel() <= DENSE_TRITON_MAX_ELEMENTS
+            and x.dtype == weight.dtype and available()["w8a16"]):
+        return weight_only_linear(x, weight, _unit(x.device), bias, config=band_config(_dense_configs(), rows))
+    return F.linear(x, weight, bias)
 
 
 def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor] = None,

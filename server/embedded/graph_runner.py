@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from server.embedded.base_runner import BaseRunner, Draft
 from server.embedded.decode_attention import interpreted, one_pass_counters, split_kv_attention, write_kv
 from server.embedded.fused_ops import add_rms_norm, rope_write_kv, silu_mul
+from server.embedded.gpu_kernels import dense_linear
 from server.embedded.qlinear import Fp8Linear, Int8WeightOnlyLinear, project, quantized_input
 from server.embedded.transfer import copy_into
 
@@ -88,13 +89,21 @@ def context_bucket(length: int, max_seq_len: int) -> int:
 
 
 class _Concatenated:
-    """Plain linears of one input as one GEMM: their weights (and biases) concatenated."""
+    """Plain linears of one input as one GEMM: their weights (and biases) concatenated (or one linear's own,
+    `of`). `dense_linear` picks the GEMM (cuBLAS, or the Triton kernel for small weights at few rows)."""
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor]):
         self.weight, self.bias = weight, bias
 
+    @classmethod
+    def of(cls, linear: Any) -> Any:
+        """A plain `nn.Linear` as one; any other layer (quantized) as it is."""
+        if type(linear) is torch.nn.Linear:
+            return cls(linear.weight.detach(), None if linear.bias is None else linear.bias.detach())
+        return linear
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return dense_linear(x, self.weight, self.bias)
 
 
 def _fuse(mods: list[Any]) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -141,7 +150,7 @@ class _Layer:
         else:
             self.qkv = lambda x: torch.cat([a.q_proj(x), a.k_proj(x), a.v_proj(x)], -1)
             self.gate_up = lambda x: torch.cat([m.gate_proj(x), m.up_proj(x)], -1)
-        self.o_proj, self.down, self.act = a.o_proj, m.down_proj, m.act_fn
+        self.o_proj, self.down, self.act = _Concatenated.of(a.o_proj), _Concatenated.of(m.down_proj), m.act_fn
         # the fused path's q/k/v GEMM without its bias, for one-row steps, where the RoPE kernel after it adds
         # the bias: at one row torch adds a bias with a kernel of its own (cuBLASLt's bias epilogue wants two
         # rows). The sum rounds once more than in the GEMM (at most one step of the model's dtype on q/k/v).
