@@ -55,6 +55,8 @@ FP8_TRITON_MAX_ROWS = int(os.environ.get("FP8_TRITON_MAX_ROWS", "0"))
 DENSE_TRITON_MAX_ROWS = int(os.environ.get("DENSE_TRITON_MAX_ROWS", "0"))
 DENSE_TRITON_MAX_ELEMENTS = int(os.environ.get("DENSE_TRITON_MAX_ELEMENTS", str(8 << 20)))
 DENSE_TRITON_CONFIG = "DENSE_TRITON_CONFIG"
+# programs sharing each K loop: 1 keeps a small linear to one launch (a split adds the reduction's)
+DENSE_TRITON_SPLIT = int(os.environ.get("DENSE_TRITON_SPLIT", "1"))
 
 
 @functools.lru_cache(maxsize=None)
@@ -261,12 +263,13 @@ def _dense_configs() -> dict[int, tuple[int, int, int, int]]:
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for a 16-bit weight: on CUDA at most DENSE_TRITON_MAX_ROWS rows of a weight
-    of at most DENSE_TRITON_MAX_ELEMENTS run the weight-only Triton kernel (fp32 accumulation, split K
-    loops reduced in a fixed order), everything else cuBLAS."""
+    of at most DENSE_TRITON_MAX_ELEMENTS run the weight-only Triton kernel (fp32 accumulation; DENSE_TRITON_SPLIT
+    programs a K loop, 0 for the kernel's own choice), everything else cuBLAS."""
     rows = x.numel() // max(1, x.shape[-1])
     if (x.is_cuda and 0 < rows <= DENSE_TRITON_MAX_ROWS and weight.numel() <= DENSE_TRITON_MAX_ELEMENTS
             and x.dtype == weight.dtype and available()["w8a16"]):
-        return weight_only_linear(x, weight, _unit(x.device), bias, config=band_config(_dense_configs(), rows))
+        return weight_only_linear(x, weight, _unit(x.device), bias, config=band_config(_dense_configs(), rows),
+                                  split=DENSE_TRITON_SPLIT or None)
     return F.linear(x, weight, bias)
 
 
