@@ -19,9 +19,14 @@ FinishReason = Literal["stop", "length", "cancelled", "timeout", "error"]
 FINISH_REASONS: tuple[str, ...] = ("stop", "length", "cancelled", "timeout", "error")
 
 
+# Temperatures below this sample greedily: logits / t overflows float32 from about 1e-37 (NaN probabilities, token 0
+# drawn), and long before that the tempered distribution is the argmax (vLLM's floor is the same 1e-5)
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.7  # 0: greedy
+    temperature: float = 0.7  # 0: greedy (and any temperature below GREEDY_BELOW_TEMPERATURE)
     top_p: float = 1.0
     top_k: int = 0  # 0: off
     seed: Optional[int] = None
@@ -34,6 +39,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not (self.temperature >= 0):
             raise ValueError(f"SamplingParams.temperature must be >= 0 (got {self.temperature})")
+        if self.temperature < GREEDY_BELOW_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)
         if not (0 < self.top_p <= 1):
             raise ValueError(f"SamplingParams.top_p must be in (0, 1] (got {self.top_p})")
         if self.top_k < 0 or self.max_tokens < 1 or self.top_logprobs < 0:

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
+# A UTF-8 character has at most 4 bytes, each token at least one: text ending in U+FFFD after this many held
+# tokens is the character itself (models emit it), not a partial one, and is let out (held, it would stay back
+# to the end and the window re-decoded each step would grow without bound)
+MAX_HELD_TOKENS = 8
+
 
 class IncrementalDetokenizer:
     """Decodes a growing id list without re-decoding it all each step.
@@ -24,7 +29,7 @@ class IncrementalDetokenizer:
         decode = self.tokenizer.decode
         before = decode(self.ids[self._prefix:self._read], skip_special_tokens=True)
         after = decode(self.ids[self._prefix:], skip_special_tokens=True)
-        if after.endswith("\ufffd"):
+        if after.endswith("\ufffd") and len(self.ids) - self._read < MAX_HELD_TOKENS:
             return ""  # an incomplete character: wait for the next token
         self._prefix, self._read = self._read, len(self.ids)
         return after[len(before):]
@@ -76,9 +81,15 @@ class StopMatcher:
     def _held_suffix(self, text: str) -> int:
         """Length of the longest suffix of text that is a proper prefix of some stop string."""
         longest = 0
+        if not text:
+            return 0
+        last = text[-1]
         for s in self.stops:
-            for n in range(min(len(s) - 1, len(text)), longest, -1):
-                if text.endswith(s[:n]):
+            n = min(len(s) - 1, len(text))
+            while n > longest:  # only where the prefix ends in text's last character: no slice per length
+                n = s.rfind(last, 0, n) + 1
+                if n > longest and text.endswith(s[:n]):
                     longest = n
                     break
+                n -= 1
         return longest

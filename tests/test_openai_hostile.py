@@ -336,3 +336,76 @@ def test_load_with_disconnects_accounts_for_every_request(served):
     assert after("length") + after("cancelled") == 24 and after("length") >= 16
     r = post_raw(served.base, COMPLETIONS, b'{"prompt":"after","max_tokens":3,"temperature":0}')
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_stop_lists_are_bounded(served):
+    """Stop strings and stop ids are matched against every token of every sequence on the engine's thread: a
+    request may not bring thousands of them (a 600k-string list stalled every client for minutes)."""
+    from server.openai.body import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+    from server.openai.parsing import MAX_STOP_TOKEN_IDS
+
+    before = served.engine.stats.requests
+    for extra in ({"stop": [f"s{i}" for i in range(MAX_STOP_STRINGS + 1)]}, {"stop": "x" * (MAX_STOP_STRING_CHARS + 1)},
+                  {"stop_token_ids": [1] * (MAX_STOP_TOKEN_IDS + 1)}):
+        r = post_raw(served.base, COMPLETIONS, json.dumps({"prompt": "hi", "max_tokens": 2, **extra}).encode())
+        assert_openai_error(r, 400, next(iter(extra)))
+    assert served.engine.stats.requests == before
+    ok = {"prompt": "hi", "max_tokens": 2, "stop": [f"s{i}" for i in range(MAX_STOP_STRINGS)],
+          "stop_token_ids": [1] * MAX_STOP_TOKEN_IDS}
+    assert post_raw(served.base, COMPLETIONS, json.dumps(ok).encode()).status_code == 200
+
+
+def test_a_tiny_temperature_samples_greedily(served):
+    """logits / 1e-38 overflows float32 (NaN probabilities drew token 0): temperatures under 1e-5 are greedy."""
+    def tokens(t):
+        body = {"prompt": "Count: 1, 2,", "max_tokens": 6, "temperature": t, "seed": 3, "ignore_eos": True,
+                "return_token_ids": True}
+        r = post_raw(served.base, COMPLETIONS, json.dumps(body).encode())
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"]
+    greedy = tokens(0)
+    assert tokens(1e-38) == greedy and tokens(5e-324) == greedy and tokens(1e-6) == greedy
+
+
+def test_a_request_id_is_echoed_only_as_a_header_can_carry_it(served):
+    """An id whose 64-character cut ends in a space (or holds control bytes) got no HTTP answer at all."""
+    for header, expect in (("a" * 63 + " tail", "a" * 63), ("id\twith tab", "idwithtab"), (b"\xe9\xe9", None)):
+        r = httpx2.post(served.base + COMPLETIONS, json={"prompt": "hi", "max_tokens": 1},
+                        headers={"x-request-id": header}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.headers["x-request-id"] == expect if expect else len(r.headers["x-request-id"]) == 32
+
+
+def test_length_guards_hold_before_templating_and_tokenizing(served, monkeypatch):
+    """Chat: more messages than max_input_len tokens can hold (empty ones passed the character guard and were
+    templated and tokenized: seconds of the one parse thread) are refused untemplated. Completions: a list of
+    prompts stops at the first one over the limit, the rest never tokenized."""
+    api = served.api
+    r = post_raw(served.base, CHAT, json.dumps({"messages": [{"role": "user"}] * (api.max_input_len + 1),
+                                                "max_tokens": 1}).encode())
+    assert_openai_error(r, 400, "messages", "context_length_exceeded")
+    calls = []
+    tokenize = api.parser.engine.tokenize
+    monkeypatch.setattr(api.parser.engine, "tokenize", lambda text: calls.append(len(text)) or tokenize(text))
+    over = "word " * api.max_input_len  # over the token limit, under the character guard
+    r = post_raw(served.base, COMPLETIONS, json.dumps({"prompt": [over] * 5, "max_tokens": 1}).encode())
+    assert_openai_error(r, 400, "prompt", "context_length_exceeded")
+    assert len(calls) == 1
+
+
+def test_a_client_that_hangs_up_mid_body_is_not_a_server_fault(served, caplog):
+    """A body cut short by the client is a 499 for nobody, not an 'internal server error' with a traceback."""
+    import logging
+    import time
+
+    caplog.set_level(logging.ERROR)
+    for _ in range(3):
+        with socket.create_connection(("127.0.0.1", served.port), timeout=30) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000\r\n\r\n{\"prompt\": \"")
+    assert httpx2.get(served.base + "/health", timeout=30).status_code == 200
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and served.api is None:
+        time.sleep(0.1)
+    assert post_raw(served.base, COMPLETIONS, b'{"prompt":"hi","max_tokens":1}').status_code == 200
+    assert not [r for r in caplog.records if "failed" in r.getMessage()], [r.getMessage() for r in caplog.records]

@@ -46,6 +46,14 @@ MAX_REQUEST_BYTES = 8 << 20  # default body limit (413 above it); `make serve` -
 log = logging.getLogger("server.openai")
 
 
+def request_id(header: Optional[str]) -> str:
+    """The id a response is tagged with: the client's x-request-id cut to 64 visible ASCII characters (what an
+    HTTP header may carry back: a value cut to end in a space or holding control bytes made the server drop
+    the connection unanswered), or a fresh one."""
+    rid = "".join(c for c in (header or "")[:64] if "!" <= c <= "~")
+    return rid or uuid.uuid4().hex
+
+
 def create_app(load: Callable[[], Any], model_name: str,
                on_failure: Optional[Callable[[BaseException], None]] = None,
                max_request_bytes: int = MAX_REQUEST_BYTES) -> Any:
@@ -56,6 +64,7 @@ def create_app(load: Callable[[], Any], model_name: str,
 
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
+    from starlette.requests import ClientDisconnect
     from starlette.requests import Request as HttpRequest
     from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
     from starlette.routing import Route
@@ -93,11 +102,13 @@ def create_app(load: Callable[[], Any], model_name: str,
     def guarded(handler: Callable[[HttpRequest, str], Any]) -> Callable[[HttpRequest], Any]:
         """Every route: ApiErrors as their JSON, anything else a logged JSON 500 with the request id."""
         async def run(request: HttpRequest) -> Response:
-            rid = (request.headers.get("x-request-id") or uuid.uuid4().hex)[:64]
+            rid = request_id(request.headers.get("x-request-id"))
             try:
                 return await handler(request, rid)
             except ApiError as e:
                 return error(e, rid)
+            except ClientDisconnect:  # the client left while sending its body: nobody to answer, no fault
+                return Response(status_code=499)
             except Exception as e:  # noqa: BLE001 - a server fault: said in JSON, logged with the id
                 log.exception("request %s (%s %s) failed", rid, request.method, request.url.path)
                 return error(ApiError(500, f"internal server error ({type(e).__name__}); request id {rid}",
@@ -114,24 +125,34 @@ def create_app(load: Callable[[], Any], model_name: str,
             err = ApiError(500, f"internal server error ({type(e).__name__}); request id {rid}", type_="server_error")
             yield f"data: {dumps(err.body())}\n\ndata: [DONE]\n\n".encode()
 
-    async def generate(request: HttpRequest, rid: str, chat: bool) -> Response:
-        api = state.serving()
-        job = await api.parser.parse(await read_body(request), chat)
-        if job.stream:
-            return StreamingResponse(safe_stream(api, job, rid), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
-                                              "x-request-id": rid})
-        work = asyncio.ensure_future(api.complete(job))
+    async def unless_gone(request: HttpRequest, awaitable: Any) -> tuple[bool, Any]:
+        """(True, its result), or (False, None) once the client has hung up first: the work is cancelled
+        (a parse still queued for the parse thread never runs; engine requests end)."""
+        work = asyncio.ensure_future(awaitable)
         gone = asyncio.ensure_future(until_disconnect(request))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
-        if not work.done():  # the client left: cancel its engine requests; nobody reads this answer
+        if not work.done():
             work.cancel()
             await asyncio.gather(work, return_exceptions=True)
+            return False, None
+        return True, work.result()
+
+    async def generate(request: HttpRequest, rid: str, chat: bool) -> Response:
+        api = state.serving()
+        here, job = await unless_gone(request, api.parser.parse(await read_body(request), chat))
+        if not here:
             return Response(status_code=499)
-        return JSONResponse(work.result(), headers={"x-request-id": rid})
+        if job.stream:
+            return StreamingResponse(safe_stream(api, job, rid), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                              "x-request-id": rid})
+        here, answer = await unless_gone(request, api.complete(job))
+        if not here:  # the client left: its engine requests are cancelled; nobody reads this answer
+            return Response(status_code=499)
+        return JSONResponse(answer, headers={"x-request-id": rid})
 
     async def completions(request: HttpRequest, rid: str) -> Response:
         return await generate(request, rid, chat=False)

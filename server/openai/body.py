@@ -56,16 +56,27 @@ def refuse_unsupported(body: dict, name: str, ok: Callable[[Any], bool], why: st
         raise ApiError(400, f"{name} is not supported by this server ({why}; got {quoted(v)})", name)
 
 
+# Stop strings are matched on every sequence's text at every step, on the engine's thread: their count and length
+# bound that work for everyone (OpenAI takes 4 strings; 600k strings stalled the engine for minutes)
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+
+
 def stop_strings(body: dict) -> tuple[str, ...]:
-    """`stop`: one string or a list of them, none empty."""
+    """`stop`: one string or a list of at most MAX_STOP_STRINGS, none empty or over MAX_STOP_STRING_CHARS."""
     v = body.get("stop")
     if v is None:
         return ()
     items = [v] if isinstance(v, str) else v
     if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
         raise ApiError(400, f"stop must be a string or a list of strings (got {quoted(v)})", "stop")
+    if len(items) > MAX_STOP_STRINGS:
+        raise ApiError(400, f"stop: at most {MAX_STOP_STRINGS} stop strings (got {len(items)})", "stop")
     if any(not s for s in items):
         raise ApiError(400, "stop: stop strings must not be empty", "stop")
+    if any(len(s) > MAX_STOP_STRING_CHARS for s in items):
+        raise ApiError(400, f"stop: a stop string has at most {MAX_STOP_STRING_CHARS} characters "
+                            f"(got {max(len(s) for s in items)})", "stop")
     return tuple(items)
 
 

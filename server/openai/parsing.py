@@ -23,6 +23,7 @@ MAX_N = 128
 # completions one request may ask for (prompts x n): each is a request in the engine's queue, and one body
 # of a thousand prompts at n=128 would otherwise queue 128k of them ahead of every other client
 MAX_CHOICES = 4096
+MAX_STOP_TOKEN_IDS = 128  # besides the model's end ids; each is compared with every token generated
 SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)  # what a torch generator's seed takes; choice i of n gets seed + i
 CHAT_ROLES = ("system", "developer", "user", "assistant")  # developer is OpenAI's newer name for system
 ENGINE_LOGPROBS = 20  # asked of the engine whenever logprobs are wanted: the sampled token is nearly always among them
@@ -61,6 +62,16 @@ class RequestParser:
     def close(self) -> None:
         self._worker.shutdown(wait=False, cancel_futures=True)
 
+    def _check_tokens(self, ids: list[int], prompt_field: str) -> list[int]:
+        """`ids`, refused when empty or over max_input_len."""
+        if not ids:
+            raise ApiError(400, f"{prompt_field}: the prompt is empty", prompt_field)
+        limit = self.max_input_len
+        if limit is not None and len(ids) > limit:
+            raise ApiError(400, f"{prompt_field}: the prompt has {len(ids)} tokens, over this engine's limit of "
+                                f"{limit} (max_input_len)", prompt_field, code="context_length_exceeded")
+        return ids
+
     def _common(self, body: dict, kind: str, prompts: list[list[int]], prompt_field: str) -> Job:
         model = body.get("model")
         if model is not None and not isinstance(model, str):
@@ -79,13 +90,8 @@ class RequestParser:
             raise ApiError(400, f"a request may ask for at most {MAX_CHOICES} completions (prompts x n); this one "
                                 f"asks for {len(prompts)} x {n}", "n" if n > 1 else prompt_field)
         refuse_unsupported(body, "best_of", lambda v: v == n, "best_of must equal n")
-        limit = self.max_input_len
         for ids in prompts:
-            if not ids:
-                raise ApiError(400, f"{prompt_field}: the prompt is empty", prompt_field)
-            if limit is not None and len(ids) > limit:
-                raise ApiError(400, f"{prompt_field}: the prompt has {len(ids)} tokens, over this engine's limit of "
-                                    f"{limit} (max_input_len)", prompt_field, code="context_length_exceeded")
+            self._check_tokens(ids, prompt_field)
         longest = max(len(p) for p in prompts)
         room = (self.max_seq_len - longest) if self.max_seq_len else None
         if room is not None and room < 1:
@@ -111,6 +117,9 @@ class RequestParser:
                 or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab for t in stop_ids)):
             raise ApiError(400, f"stop_token_ids must be a list of token ids in 0..{self.vocab - 1} "
                                 f"(got {quoted(stop_ids)})", "stop_token_ids")
+        if len(stop_ids) > MAX_STOP_TOKEN_IDS:  # each is checked against every token generated
+            raise ApiError(400, f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids (got {len(stop_ids)})",
+                           "stop_token_ids")
         seed = body.get("seed")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ApiError(400, f"seed must be an integer (got {quoted(seed)})", "seed")
@@ -152,7 +161,8 @@ class RequestParser:
               and all(isinstance(x, int) and not isinstance(x, bool) for x in prompt)):
             prompts = [self._token_prompt(prompt, "prompt")]
         elif isinstance(prompt, list) and prompt and all(isinstance(x, str) for x in prompt):
-            prompts = [self.engine.tokenize(x) for x in prompt]
+            # one at a time: the first over the limit ends the request before the rest are tokenized
+            prompts = [self._check_tokens(self.engine.tokenize(x), "prompt") for x in prompt]
         elif isinstance(prompt, list) and prompt and all(isinstance(x, list) for x in prompt):
             prompts = [self._token_prompt(x, f"prompt[{i}]") for i, x in enumerate(prompt)]
         else:
@@ -172,6 +182,10 @@ class RequestParser:
         refuse_unsupported(body, "response_format", lambda v: isinstance(v, dict) and v.get("type") == "text",
                      "no structured output")
         del fmt
+        if self.max_input_len and len(msgs) > self.max_input_len:  # each message adds template tokens
+            raise ApiError(400, f"messages: {len(msgs)} messages cannot fit this engine's limit of "
+                                f"{self.max_input_len} tokens (max_input_len)", "messages",
+                           code="context_length_exceeded")
         clean = []
         for i, m in enumerate(msgs):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
