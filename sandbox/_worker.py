@@ -568,6 +568,7 @@ def _session_child(req_fd, status_fd, glob):
     over a cell and its status through queues; the cell runs in the main thread, where the
     interval timer's signal arrives.
     """
+    import itertools
     import queue
     import threading
     import warnings
@@ -576,7 +577,12 @@ def _session_child(req_fd, status_fd, glob):
     # a cell makes that it "may lead to deadlocks" (it cannot here: that thread holds no lock a child needs).
     warnings.filterwarnings("ignore", message=r"This process \(pid=\d+\) is multi-threaded",
                             category=DeprecationWarning)
+    # Cells and statuses carry the cell's sequence number. A cell can reach these queues (its frames lead to
+    # this one) and put a status in: without the number, its own real status then answered the next request
+    # and every later cell got the one before it's output. Now a forged status can only end the forging cell
+    # early (its real one is dropped), and a cell it queues runs as its own, its status dropped too.
     cells, statuses = queue.SimpleQueue(), queue.SimpleQueue()
+    numbers = itertools.count()
     private = threading.Event()
 
     def channel():
@@ -589,8 +595,12 @@ def _session_child(req_fd, status_fd, glob):
                 if head is None:
                     os._exit(0)  # the worker closed the channel: the session is over
                 msg = json.loads(_read_exact(req_fd, struct.unpack("!I", head)[0]))
-                cells.put((msg["code"], float(msg["timeout"])))
-                status, seconds = statuses.get()
+                seq = next(numbers)
+                cells.put((seq, msg["code"], float(msg["timeout"])))
+                while True:  # this cell's status; any other (a cell can reach the queues) is dropped
+                    done, status, seconds = statuses.get()
+                    if done == seq:
+                        break
                 _write_frame(status_fd, {"nonce": msg["nonce"], "status": status, "seconds": seconds})
         finally:
             os._exit(120)  # the channel broke: this interpreter ends, the worker sees it die
@@ -606,7 +616,7 @@ def _session_child(req_fd, status_fd, glob):
     me = os.getpid()
     while True:
         try:
-            code, timeout = cells.get()
+            seq, code, timeout = cells.get()
         except BaseException:  # noqa: BLE001 - a signal handler the cell left behind raised between cells
             continue
         t0 = time.monotonic()
@@ -623,7 +633,7 @@ def _session_child(req_fd, status_fd, glob):
         _flush()
         if os.getpid() != me:  # a copy the cell forked, back from its code: it ends like a pool cell
             os._exit(status.get("code", 1))
-        statuses.put((status, elapsed))
+        statuses.put((seq, status, elapsed))
 
 
 PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
@@ -708,6 +718,23 @@ class SessionChild:
         except ValueError:
             return False
 
+    def pause(self):
+        """Stop the child, every thread of it, until the next cell: a thread a cell left running (a busy
+        loop, a timer that exits the process) otherwise ran on between cells, outside every limit, for as
+        long as the session lived. SIGSTOP cannot be caught, blocked or ignored."""
+        if self.alive:
+            try:
+                os.kill(self.pid, signal.SIGSTOP)
+            except ProcessLookupError:
+                pass
+
+    def resume(self):
+        if self.alive:
+            try:
+                os.kill(self.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+
     def kill(self):
         """SIGKILL the child and reap it; its exit status (or None if it was already reaped)."""
         status = None
@@ -762,6 +789,7 @@ def _run_session_cell(child, req, cfg):
     limits, cap = cfg["limits"], cfg["capture_bytes"]
     timeout = float(req.get("timeout") or limits.get("wall_seconds", 10))
     nonce = os.urandom(12).hex()
+    child.resume()
     frame = json.dumps({"nonce": nonce, "code": req["code"], "timeout": timeout}).encode()
     pending = struct.pack("!I", len(frame)) + frame
     caps = {child.out_r: Capture(cap), child.err_r: Capture(cap)}
@@ -826,6 +854,7 @@ def _run_session_cell(child, req, cfg):
         _kill_others_and_reap()
         return {"status": status, "stdout": caps[child.out_r].render(), "stderr": caps[child.err_r].render(),
                 "seconds": elapsed, "crashed": crash, "clean": True}
+    child.pause()
     clean = _kill_others_and_reap(keep=child.pid)
     # Read again once the cell's leftovers are dead: what a process it started (or a forked copy of the
     # runner) wrote after the status came back belongs to this cell, not to the next one.

@@ -35,8 +35,9 @@ class Session:
     long), so no call ever takes longer than its timeout plus a fixed grace. If the restore could
     not re-run every cell, the next result's note says which state is gone.
 
-    Between cells every process a cell started is killed; threads are part of the interpreter's
-    state and keep running until the session ends (their output lands in the cell running then).
+    Between cells every process a cell started is killed and the interpreter is stopped (SIGSTOP, every
+    thread): threads are part of its state and run on only while a cell runs (their output lands in
+    that cell), so one left spinning costs no CPU between cells.
     The memory limit covers the session's interpreter and all it started, across its cells.
     """
 

@@ -337,6 +337,56 @@ def test_session_cell_cannot_forge_or_misattribute_results(pool, attack):
             assert r.status == "ok" and r.stdout.text == f"cell {k} 7\n", r
 
 
+# a cell walks its frames up to the runner and puts a status for itself (the queues carry the cell's number,
+# which it can read there too) or a cell of its own into the runner's queues
+QUEUE_FORGERY = {
+    "own-status": "f.f_locals['statuses'].put((f.f_locals['seq'], {'kind': 'exit', 'code': 0}, 0.0))",
+    "unnumbered-status": "f.f_locals['statuses'].put(({'kind': 'exit', 'code': 0}, 0.0))",
+    "phantom-cell": "f.f_locals['cells'].put((10 ** 6, 'print(\"phantom\")', 5.0))",
+}
+
+
+@pytest.mark.parametrize("forgery", list(QUEUE_FORGERY.values()), ids=list(QUEUE_FORGERY))
+def test_a_cell_reaching_the_runners_queues_cannot_shift_later_cells_results(pool, forgery):
+    """The forged status used to answer the cell's request and its real one the next request: every later cell
+    got the one before it's output for the rest of the session. Now at most the next cell sees what the forging
+    cell printed after its forged end (as from a thread it left); the ones after it are their own."""
+    attack = ("import sys, time\nf = sys._getframe()\nwhile f is not None and 'statuses' not in f.f_locals:\n"
+              "    f = f.f_back\n" + forgery + "\ntime.sleep(0.5)\nprint('forger done')")
+    with pool.session() as s:
+        assert s.run("x = 7").ok
+        s.run(attack, timeout=3)  # never raises
+        s.run("pass", timeout=5)
+        for k in range(3):
+            r = s.run(f"import time\ntime.sleep(0.2)\nprint('cell', {k}, x)", timeout=5)
+            assert r.status == "ok" and r.stdout.text == f"cell {k} 7\n", r
+
+
+def test_a_thread_left_by_a_session_cell_is_stopped_between_cells(pool):
+    """A spinning thread a cell starts ran on between cells, outside every limit, for the session's life: the
+    session's process is stopped (SIGSTOP, every thread) from a cell's end to the next cell, and runs again then."""
+    with pool.session() as s:
+        uid = session_uid(s)
+        assert s.run("import threading\nn = 0\ndef spin():\n    global n\n    while True:\n        n += 1\n"
+                     "threading.Thread(target=spin, daemon=True).start()", timeout=5).ok
+
+        def states() -> set[str]:
+            out = set()
+            for pid, _, _ in survivors(uid):
+                for tid in os.listdir(f"/proc/{pid}/task"):
+                    try:
+                        out.add(Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()[0])
+                    except OSError:
+                        pass
+            return out
+        deadline = time.monotonic() + 30
+        while states() != {"T"} and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert states() == {"T"}, states()
+        r = s.run("a = n\nimport time\ntime.sleep(0.2)\nprint(n > a)", timeout=5)
+        assert r.status == "ok" and r.stdout.text == "True\n", r  # the thread runs while a cell does
+
+
 # Every descriptor a session cell could reach the control channel by: fd numbers of its own process
 # and every link under /proc/*/task/*/fd (other threads' tables, other processes it can read).
 REACH = textwrap.dedent("""
