@@ -30,6 +30,13 @@ def encode(tokenizer: Any, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def encode_literal(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of text taken literally: "<|im_end|>" in it is those characters, not the special token.
+    For what the model did not write and the template did not make (a tool's output): printed by model-written
+    code, those spellings otherwise closed the assistant's turn or forged a system turn in its context."""
+    return tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+
 def load_tokenizer(path: str | Path) -> Any:
     """The HF tokenizer of a checkpoint or engine `model/` folder (pad falls back to eos)."""
     from transformers import AutoTokenizer

@@ -99,7 +99,7 @@ class Engine(Protocol):
 
     name: str
 
-    def tokenize(self, text: str) -> list[int]: ...
+    def tokenize(self, text: str, literal: bool = False) -> list[int]: ...  # literal: special-token spellings stay text
 
     def detokenize(self, token_ids: Sequence[int]) -> str: ...
 

@@ -17,7 +17,7 @@ import asyncio
 import time
 from typing import Any, AsyncIterator, Optional, Sequence
 
-from aimo_spec.chat import encode, render_prompt
+from aimo_spec.chat import encode, encode_literal, render_prompt
 from aimo_spec.protocol import Delta, Event, Final, FinishReason, Request, stream_events
 from server.textstream import IncrementalDetokenizer, StopMatcher
 
@@ -148,9 +148,10 @@ class EngineBase:
     _closed = False
     _outbox: Optional[Outbox] = None  # a driver that batches its wake-ups sets one and flushes it
 
-    def tokenize(self, text: str) -> list[int]:
-        """Ids of chat-formatted text: the template already holds the special tokens."""
-        return encode(self.tokenizer, text)
+    def tokenize(self, text: str, literal: bool = False) -> list[int]:
+        """Ids of chat-formatted text: the template already holds the special tokens. `literal`: text from
+        outside (a tool's output) in which a special token's spelling stays text (`encode_literal`)."""
+        return encode_literal(self.tokenizer, text) if literal else encode(self.tokenizer, text)
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)

@@ -125,9 +125,22 @@ class TIRClient:
         self.sampling, self.max_code_calls, self.output_chars = sampling, max_code_calls, output_chars
         self.tool_seconds, self.stateful, self.top_logprobs = tool_seconds, stateful, top_logprobs
         self.code_limit_notice, self.answer_window = code_limit_notice, answer_window
+        self._plain_tags: Optional[bool] = None  # the output tags hold no special token (known at first use)
 
     def output_block(self, feedback: str) -> str:
         return output_block(self.tags, feedback)
+
+    def block_ids(self, block: str) -> list[int]:
+        """Ids of an output block: the tool's output taken literally (a special token's spelling printed by the
+        code stays text), the tags as the template's text (a tag that is a special token stays one)."""
+        start, end = self.tags.output_start, self.tags.output_end
+        tokenize = self.engine.tokenize
+        if self._plain_tags is None:
+            self._plain_tags = all(tokenize(t, literal=True) == tokenize(t) for t in (start, end) if t)
+        if self._plain_tags or not (block.startswith(start) and block.endswith(end)):
+            return tokenize(block, literal=True)
+        body = block[len(start):len(block) - len(end)]
+        return tokenize(start) + tokenize(body, literal=True) + tokenize(end)
 
     async def run(self, prompt_ids: list[int], sample: int, seed: int, deadline: Optional[float] = None,
                   cancelled: Optional[asyncio.Event] = None, modulus: Optional[int] = None) -> SampleTrace:
@@ -181,7 +194,7 @@ class TIRClient:
                     trace.finish = "cancelled" if cancelled.is_set() else "timeout"
                     break
                 parts.append(block)
-                block_ids = self.engine.tokenize(block)
+                block_ids = self.block_ids(block)
                 history.extend(block_ids)
                 if self.record_tokens:
                     trace.segments.append((block_ids, False))

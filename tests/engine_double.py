@@ -30,7 +30,7 @@ class ScriptedEngine:
         self.finals: list[Final] = []
         self._cancelled: set[str] = set()
 
-    def tokenize(self, text: str) -> list[int]:
+    def tokenize(self, text: str, literal: bool = False) -> list[int]:
         return [ord(c) for c in text]
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
