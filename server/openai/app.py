@@ -43,6 +43,12 @@ from server.openai.sse import sse_stream
 from server.openai.state import State
 
 MAX_REQUEST_BYTES = 8 << 20  # default body limit (413 above it); `make serve` --max-request-bytes changes it
+# A body must arrive within this many seconds (408 after): a client holding a body open held its bytes in
+# memory for as long as it liked
+BODY_SECONDS = 60.0
+# bodies being read at once may hold at most this many max_request_bytes together (503 for the one that
+# passes it): 40 clients each holding an 8 MB body open grew the server by 250 MB, and nothing bounded it
+PENDING_BODIES = 16
 log = logging.getLogger("server.openai")
 
 
@@ -56,9 +62,12 @@ def request_id(header: Optional[str]) -> str:
 
 def create_app(load: Callable[[], Any], model_name: str,
                on_failure: Optional[Callable[[BaseException], None]] = None,
-               max_request_bytes: int = MAX_REQUEST_BYTES) -> Any:
+               max_request_bytes: int = MAX_REQUEST_BYTES, body_seconds: float = BODY_SECONDS,
+               pending_body_bytes: Optional[int] = None) -> Any:
     """The Starlette app; `load` opens the engine (run in a thread at startup); `app.state.serving` is the State.
-    Bodies over `max_request_bytes` get a 413 before they are read; every failure is an OpenAI-shaped
+    Bodies over `max_request_bytes` get a 413 before they are read, one not in after `body_seconds` a 408, one
+    that takes the bodies being read past `pending_body_bytes` (PENDING_BODIES x max_request_bytes) a 503;
+    every failure is an OpenAI-shaped
     JSON error (a server fault: 500, logged with its request id, also sent as `x-request-id`)."""
     from contextlib import asynccontextmanager
 
@@ -74,6 +83,9 @@ def create_app(load: Callable[[], Any], model_name: str,
     def error(e: ApiError, rid: str = "") -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status, headers={"x-request-id": rid} if rid else None)
 
+    reading = {"bytes": 0}  # of the bodies being read now
+    pending_budget = pending_body_bytes or PENDING_BODIES * max_request_bytes
+
     async def read_body(request: HttpRequest) -> bytes:
         """The body, refused with 413 once it is known to pass the limit (from Content-Length, before
         reading; else while reading)."""
@@ -87,12 +99,26 @@ def create_app(load: Callable[[], Any], model_name: str,
                 raise ApiError(400, f"Content-Length is not a number (got {declared[:40]!r})") from None
             if size > max_request_bytes:
                 raise ApiError(413, f"{too_big}: Content-Length is {size}", code="request_too_large")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > max_request_bytes:
-                raise ApiError(413, too_big, code="request_too_large")
-            chunks.append(chunk)
+        chunks: list[bytes] = []
+        got = {"bytes": 0}
+
+        async def collect() -> None:
+            async for chunk in request.stream():
+                chunks.append(chunk)
+                got["bytes"] += len(chunk)
+                reading["bytes"] += len(chunk)
+                if got["bytes"] > max_request_bytes:
+                    raise ApiError(413, too_big, code="request_too_large")
+                if reading["bytes"] > pending_budget:
+                    raise ApiError(503, "the server is reading too many request bodies at once; retry",
+                                   type_="server_error", code="server_busy")
+        try:
+            await asyncio.wait_for(collect(), body_seconds)
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {body_seconds:g} s",
+                           code="request_timeout") from None
+        finally:
+            reading["bytes"] -= got["bytes"]
         return b"".join(chunks)
 
     async def until_disconnect(request: HttpRequest) -> None:
@@ -198,4 +224,5 @@ def create_app(load: Callable[[], Any], model_name: str,
         Route("/metrics", metrics, methods=["GET"]),
     ], lifespan=lifespan, exception_handlers={HTTPException: http_error})
     app.state.serving = state
+    app.state.reading_body = reading
     return app
