@@ -722,16 +722,15 @@ class SessionChild:
         """Stop the child, every thread of it, until the next cell: a thread a cell left running (a busy
         loop, a timer that exits the process) otherwise ran on between cells, outside every limit, for as
         long as the session lived. SIGSTOP cannot be caught, blocked or ignored."""
-        if self.alive:
-            try:
-                os.kill(self.pid, signal.SIGSTOP)
-            except ProcessLookupError:
-                pass
+        self._signal(signal.SIGSTOP)
 
     def resume(self):
+        self._signal(signal.SIGCONT)
+
+    def _signal(self, sig):
         if self.alive:
             try:
-                os.kill(self.pid, signal.SIGCONT)
+                os.kill(self.pid, sig)
             except ProcessLookupError:
                 pass
 
