@@ -179,6 +179,22 @@ def _apply_limits(cfg, inline=False):
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent):
+    """SIGKILL this process when the worker that forked it ends. Without namespaces the session's child is in
+    a process group of its own (setsid) that killing the worker's misses, and stopped between cells it never
+    reads the end of its channel: it stayed, stopped, with all its memory, after every session. Set after the
+    uid drop, which clears it; checked against a parent that died before it was set."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(120)
+
+
 def _drop_privileges(uid):
     if uid is not None and os.getuid() == 0:
         os.setgroups([])
@@ -568,7 +584,6 @@ def _session_child(req_fd, status_fd, glob):
     over a cell and its status through queues; the cell runs in the main thread, where the
     interval timer's signal arrives.
     """
-    import itertools
     import queue
     import threading
     import warnings
@@ -577,12 +592,11 @@ def _session_child(req_fd, status_fd, glob):
     # a cell makes that it "may lead to deadlocks" (it cannot here: that thread holds no lock a child needs).
     warnings.filterwarnings("ignore", message=r"This process \(pid=\d+\) is multi-threaded",
                             category=DeprecationWarning)
-    # Cells and statuses carry the cell's sequence number. A cell can reach these queues (its frames lead to
-    # this one) and put a status in: without the number, its own real status then answered the next request
-    # and every later cell got the one before it's output. Now a forged status can only end the forging cell
-    # early (its real one is dropped), and a cell it queues runs as its own, its status dropped too.
-    cells, statuses = queue.SimpleQueue(), queue.SimpleQueue()
-    numbers = itertools.count()
+    # Each cell comes with a queue of its own for its status. A cell can reach the runner's objects (its frames
+    # lead here) and put a status in: through one shared status queue, its own real status then answered the
+    # next request and every later cell got the one before it's output. Now it can reach only its own reply
+    # queue (the next cell's does not exist yet): a forged status ends the forging cell early, nothing more.
+    cells = queue.SimpleQueue()
     private = threading.Event()
 
     def channel():
@@ -595,12 +609,10 @@ def _session_child(req_fd, status_fd, glob):
                 if head is None:
                     os._exit(0)  # the worker closed the channel: the session is over
                 msg = json.loads(_read_exact(req_fd, struct.unpack("!I", head)[0]))
-                seq = next(numbers)
-                cells.put((seq, msg["code"], float(msg["timeout"])))
-                while True:  # this cell's status; any other (a cell can reach the queues) is dropped
-                    done, status, seconds = statuses.get()
-                    if done == seq:
-                        break
+                reply = queue.SimpleQueue()
+                cells.put((msg["code"], float(msg["timeout"]), reply))
+                status, seconds = reply.get()
+                del reply  # the next cell's queue is made when it comes
                 _write_frame(status_fd, {"nonce": msg["nonce"], "status": status, "seconds": seconds})
         finally:
             os._exit(120)  # the channel broke: this interpreter ends, the worker sees it die
@@ -616,7 +628,7 @@ def _session_child(req_fd, status_fd, glob):
     me = os.getpid()
     while True:
         try:
-            seq, code, timeout = cells.get()
+            code, timeout, reply = cells.get()
         except BaseException:  # noqa: BLE001 - a signal handler the cell left behind raised between cells
             continue
         t0 = time.monotonic()
@@ -633,7 +645,11 @@ def _session_child(req_fd, status_fd, glob):
         _flush()
         if os.getpid() != me:  # a copy the cell forked, back from its code: it ends like a pool cell
             os._exit(status.get("code", 1))
-        statuses.put((seq, status, elapsed))
+        # the worker stops this process between cells and continues it for the next: a SIGCONT handler the
+        # cell left would run then, outside any cell (raising there ended the interpreter, and every restore)
+        signal.signal(signal.SIGCONT, signal.SIG_DFL)
+        reply.put((status, elapsed))
+        del reply
 
 
 PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
@@ -671,6 +687,7 @@ class SessionChild:
         self.status_r, status_w = os.pipe()
         self.out_r, out_w = os.pipe()
         self.err_r, err_w = os.pipe()
+        worker = os.getpid()
         self.pid = os.fork()
         if self.pid == 0:
             try:
@@ -685,6 +702,7 @@ class SessionChild:
                 _oom_score(1000)
                 _isolate_ipc(cfg)
                 _drop_privileges(cfg.get("uid"))
+                _die_with_parent(worker)
                 os.chdir(cfg["workdir"])
                 _apply_limits(cfg, inline=True)
                 _std_streams()
@@ -855,6 +873,7 @@ def _run_session_cell(child, req, cfg):
                 "seconds": elapsed, "crashed": crash, "clean": True}
     child.pause()
     clean = _kill_others_and_reap(keep=child.pid)
+    child.pause()  # again: a process the cell left could have continued it before it was killed
     # Read again once the cell's leftovers are dead: what a process it started (or a forked copy of the
     # runner) wrote after the status came back belongs to this cell, not to the next one.
     for fd in (child.out_r, child.err_r):
@@ -924,6 +943,8 @@ def _serve_session(cfg, base_globals):
                 child = None
             reply["id"] = rid
             _send(reply)
+    if child is not None:  # the host closed the channel: the session's interpreter ends with this worker
+        child.kill()
 
 
 def _serve_pool(cfg, base_globals):

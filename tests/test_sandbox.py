@@ -329,3 +329,25 @@ def test_unisolated_mode_still_limits_and_times_out():
         assert p.run("print(1)").stdout.text == "1\n"
     finally:
         p.close()
+
+
+def test_unisolated_sessions_leave_no_interpreter_behind():
+    """Without namespaces the session's interpreter is in a process group of its own and is stopped between
+    cells: it stayed behind, stopped, after every session until it dies with its worker (PR_SET_PDEATHSIG)."""
+    import time
+    from pathlib import Path
+
+    p = SandboxPool(SandboxConfig(pool_size=1, isolation="none"))
+    pids = []
+    try:
+        for _ in range(2):
+            with p.session() as s:
+                r = s.run("import os\nprint(os.getpid())")
+                assert r.ok, r
+                pids.append(int(r.stdout.text))
+    finally:
+        p.close()
+    deadline = time.monotonic() + 30
+    while any(Path(f"/proc/{pid}").exists() for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [pid for pid in pids if Path(f"/proc/{pid}").exists()] == []

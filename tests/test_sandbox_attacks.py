@@ -337,12 +337,12 @@ def test_session_cell_cannot_forge_or_misattribute_results(pool, attack):
             assert r.status == "ok" and r.stdout.text == f"cell {k} 7\n", r
 
 
-# a cell walks its frames up to the runner and puts a status for itself (the queues carry the cell's number,
-# which it can read there too) or a cell of its own into the runner's queues
+# a cell walks its frames up to the runner and reaches its queues: the cell queue and its own reply queue
 QUEUE_FORGERY = {
-    "own-status": "f.f_locals['statuses'].put((f.f_locals['seq'], {'kind': 'exit', 'code': 0}, 0.0))",
-    "unnumbered-status": "f.f_locals['statuses'].put(({'kind': 'exit', 'code': 0}, 0.0))",
-    "phantom-cell": "f.f_locals['cells'].put((10 ** 6, 'print(\"phantom\")', 5.0))",
+    "own-status": "f.f_locals['reply'].put(({'kind': 'exit', 'code': 0}, 0.0))",
+    "statuses-ahead": "[f.f_locals['reply'].put(({'kind': 'exit', 'code': 0}, 0.0)) for _ in range(5)]",
+    "malformed-status": "f.f_locals['reply'].put(({'kind': 'exit', 'code': 0},))",
+    "phantom-cell": "f.f_locals['cells'].put(('print(\"phantom\")', 5.0, f.f_locals['reply']))",
 }
 
 
@@ -351,7 +351,7 @@ def test_a_cell_reaching_the_runners_queues_cannot_shift_later_cells_results(poo
     """The forged status used to answer the cell's request and its real one the next request: every later cell
     got the one before it's output for the rest of the session. Now at most the next cell sees what the forging
     cell printed after its forged end (as from a thread it left); the ones after it are their own."""
-    attack = ("import sys, time\nf = sys._getframe()\nwhile f is not None and 'statuses' not in f.f_locals:\n"
+    attack = ("import sys, time\nf = sys._getframe()\nwhile f is not None and 'cells' not in f.f_locals:\n"
               "    f = f.f_back\n" + forgery + "\ntime.sleep(0.5)\nprint('forger done')")
     with pool.session() as s:
         assert s.run("x = 7").ok
@@ -360,6 +360,18 @@ def test_a_cell_reaching_the_runners_queues_cannot_shift_later_cells_results(poo
         for k in range(3):
             r = s.run(f"import time\ntime.sleep(0.2)\nprint('cell', {k}, x)", timeout=5)
             assert r.status == "ok" and r.stdout.text == f"cell {k} 7\n", r
+
+
+def test_a_sigcont_handler_left_by_a_cell_does_not_end_the_session(pool):
+    """The session's interpreter is continued (SIGCONT) for each cell: a handler a cell installed ran then,
+    outside any cell, and one that raised ended the interpreter (and every restore, which re-ran that cell)."""
+    with pool.session() as s:
+        assert s.run("x = 7").ok
+        assert s.run("import signal\ndef boom(*a):\n    raise SystemExit(9)\nsignal.signal(signal.SIGCONT, boom)",
+                     timeout=5).ok
+        for k in range(3):
+            r = s.run(f"print('cell', {k}, x)", timeout=5)
+            assert r.status == "ok" and not r.restarted and r.stdout.text == f"cell {k} 7\n", r
 
 
 def test_a_thread_left_by_a_session_cell_is_stopped_between_cells(pool):
