@@ -8,6 +8,7 @@ transformers is imported only inside `load_tokenizer`.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Optional
 
@@ -31,10 +32,26 @@ def encode(tokenizer: Any, text: str) -> list[int]:
 
 
 def encode_literal(tokenizer: Any, text: str) -> list[int]:
-    """Token ids of text taken literally: "<|im_end|>" in it is those characters, not the special token.
-    For what the model did not write and the template did not make (a tool's output): printed by model-written
-    code, those spellings otherwise closed the assistant's turn or forged a system turn in its context."""
-    return tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    """Token ids of text taken literally: "<|im_end|>" or "</think>" in it are those characters, never the
+    added token the tokenizer would match (special or not). For what the model did not write and the template
+    did not make (a tool's output): printed by model-written code, those spellings closed the assistant's
+    turn or forged a system turn in its context. Text spelling no added token is encoded in one piece, as
+    `encode` does; an added token's spelling is encoded as its first character and the rest, apart."""
+    spelled = [t for t in _added_tokens(tokenizer) if t in text]
+    if not spelled:
+        return encode(tokenizer, text)
+    ids, start = [], 0
+    for m in re.finditer("|".join(re.escape(t) for t in sorted(spelled, key=len, reverse=True)), text):
+        ids += encode(tokenizer, text[start:m.start()]) if m.start() > start else []
+        ids += encode(tokenizer, m.group()[0]) + encode_literal(tokenizer, m.group()[1:])
+        start = m.end()
+    return ids + (encode(tokenizer, text[start:]) if start < len(text) else [])
+
+
+def _added_tokens(tokenizer: Any) -> set[str]:
+    """The spellings the tokenizer matches as whole tokens before its model runs (added and special ones)."""
+    added = getattr(tokenizer, "get_added_vocab", dict)()
+    return {t for t in (*added, *getattr(tokenizer, "all_special_tokens", ())) if t}
 
 
 def load_tokenizer(path: str | Path) -> Any:

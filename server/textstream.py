@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-# A UTF-8 character has at most 4 bytes, each token at least one: text ending in U+FFFD after this many held
-# tokens is the character itself (models emit it), not a partial one, and is let out (held, it would stay back
-# to the end and the window re-decoded each step would grow without bound)
+# Text that ends in U+FFFD is held: a token can end inside a UTF-8 character. Models also emit U+FFFD itself, and
+# held to the end, the text would stay back and the window re-decoded each step grow without bound. Past this many
+# held tokens, all but the last PARTIAL_TOKENS (a partial character has at most 3 bytes, each token at least one)
+# are let out, up to a cut that splits no character.
 MAX_HELD_TOKENS = 8
+PARTIAL_TOKENS = 3
 
 
 class IncrementalDetokenizer:
@@ -29,10 +31,25 @@ class IncrementalDetokenizer:
         decode = self.tokenizer.decode
         before = decode(self.ids[self._prefix:self._read], skip_special_tokens=True)
         after = decode(self.ids[self._prefix:], skip_special_tokens=True)
-        if after.endswith("\ufffd") and len(self.ids) - self._read < MAX_HELD_TOKENS:
-            return ""  # an incomplete character: wait for the next token
-        self._prefix, self._read = self._read, len(self.ids)
+        end = len(self.ids)
+        if after.endswith("\ufffd"):  # an incomplete character, or U+FFFD itself
+            if end - self._read <= MAX_HELD_TOKENS:
+                return ""  # wait for the next token
+            end = self._boundary(after)
+            if end is None:
+                return ""
+            after = decode(self.ids[self._prefix:end], skip_special_tokens=True)
+        self._prefix, self._read = self._read, end
         return after[len(before):]
+
+    def _boundary(self, text: str) -> Optional[int]:
+        """The latest cut, at least PARTIAL_TOKENS before the end, after which the held tokens' text continues
+        `text` exactly (a cut inside a character decodes to U+FFFD where `text` has the character); None if
+        none. Everything before it is let out; the last tokens, which may hold a partial character, wait."""
+        for j in range(len(self.ids) - PARTIAL_TOKENS, self._read, -1):
+            if text.startswith(self.tokenizer.decode(self.ids[self._prefix:j], skip_special_tokens=True)):
+                return j
+        return None
 
     def flush(self) -> str:
         """Whatever is still held back (a dangling partial character decodes as U+FFFD)."""

@@ -47,3 +47,23 @@ def test_held_suffix_is_the_longest_suffix_that_starts_a_stop_string():
         stops = ["".join(rng.choice("ab c") for _ in range(rng.randint(1, 8))) for _ in range(rng.randint(1, 3))]
         text = "".join(rng.choice("ab c") for _ in range(rng.randint(0, 10)))
         assert StopMatcher(stops)._held_suffix(text) == longest(stops, text), (stops, text)
+
+
+def test_streamed_text_is_the_whole_decode_for_any_push_sizes():
+    """Engines push several tokens at once (a speculative step's accepted run, a remote server's chunk): for
+    random text (multi-byte characters, real U+FFFD) cut into random pushes, the streamed pieces plus the flush
+    are the whole text, and no piece carries a U+FFFD the text does not have at that place."""
+    rng = random.Random(1)
+    alphabet = ["a", " ", "é", "中", "字", "😀", "\ufffd"]
+    for _ in range(300):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 30)))
+        ids = [i for c in text for i in ([256] if c == "\ufffd" else c.encode())]
+        d = IncrementalDetokenizer(ByteTokenizer())
+        out, i = "", 0
+        while i < len(ids):
+            n = rng.randint(1, 12)
+            piece = d.push(ids[i:i + n])
+            assert text.startswith(out + piece), (text, out, piece)
+            out += piece
+            i += n
+        assert out + d.flush() == text

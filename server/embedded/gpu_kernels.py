@@ -177,17 +177,17 @@ def band_config(bands: dict[int, tuple[int, int, int, int]], rows: int) -> tuple
     return next((bands[b] for b in sorted(bands) if rows <= b), bands[max(bands)])
 
 
-def parse_configs(text: str) -> dict[int, tuple[int, int, int, int]]:
-    """W8A16_CONFIG's value: "n,k,warps,stages" (every row count) or "rows=n,k,warps,stages;..." (bands)."""
+def parse_configs(text: str, env: str = CONFIG_ENV) -> dict[int, tuple[int, int, int, int]]:
+    """W8A16_CONFIG's value (or `env`'s): "n,k,warps,stages" (every row count) or "rows=n,k,warps,stages;..."."""
     bands = {}
     for part in filter(None, (p.strip() for p in text.split(";"))):
         rows, _, config = part.rpartition("=")
         values = tuple(int(v) for v in config.split(",")) if config.replace(",", "").isdigit() else ()
         if len(values) != 4 or (rows and not rows.strip().isdigit()):
-            raise ValueError(f"{CONFIG_ENV}={text!r}: {part!r} is not 'n,k,warps,stages' or 'rows=n,k,warps,stages'")
+            raise ValueError(f"{env}={text!r}: {part!r} is not 'n,k,warps,stages' or 'rows=n,k,warps,stages'")
         bands[int(rows) if rows else 1] = values
     if not bands:
-        raise ValueError(f"{CONFIG_ENV}={text!r} names no configuration")
+        raise ValueError(f"{env}={text!r} names no configuration")
     return bands
 
 
@@ -258,7 +258,7 @@ def _unit(device: torch.device) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=None)
 def _dense_configs() -> dict[int, tuple[int, int, int, int]]:
-    return parse_configs(os.environ.get(DENSE_TRITON_CONFIG, "16,256,4,3"))
+    return parse_configs(os.environ.get(DENSE_TRITON_CONFIG, "16,256,4,3"), DENSE_TRITON_CONFIG)
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -267,7 +267,8 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     programs a K loop, 0 for the kernel's own choice), everything else cuBLAS."""
     rows = x.numel() // max(1, x.shape[-1])
     if (x.is_cuda and 0 < rows <= DENSE_TRITON_MAX_ROWS and weight.numel() <= DENSE_TRITON_MAX_ELEMENTS
-            and x.dtype == weight.dtype and available()["w8a16"]):
+            and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16) and weight.stride(1) == 1
+            and available()["w8a16"]):
         return weight_only_linear(x, weight, _unit(x.device), bias, config=band_config(_dense_configs(), rows),
                                   split=DENSE_TRITON_SPLIT or None)
     return F.linear(x, weight, bias)
