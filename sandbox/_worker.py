@@ -97,7 +97,7 @@ def _requests():
             yield json.loads(line)
 
 
-# ---- kernel calls the stdlib lacks (namespaces mode only)
+# ---- kernel calls the stdlib lacks (unshare, mount, prctl)
 
 def _sys(name, *args):
     global _libc
@@ -187,10 +187,7 @@ def _die_with_parent(parent):
     a process group of its own (setsid) that killing the worker's misses, and stopped between cells it never
     reads the end of its channel: it stayed, stopped, with all its memory, after every session. Set after the
     uid drop, which clears it; checked against a parent that died before it was set."""
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    _sys("prctl", PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent:
         os._exit(120)
 

@@ -100,14 +100,15 @@ def create_app(load: Callable[[], Any], model_name: str,
             if size > max_request_bytes:
                 raise ApiError(413, f"{too_big}: Content-Length is {size}", code="request_too_large")
         chunks: list[bytes] = []
-        got = {"bytes": 0}
+        got = 0
 
         async def collect() -> None:
+            nonlocal got
             async for chunk in request.stream():
                 chunks.append(chunk)
-                got["bytes"] += len(chunk)
+                got += len(chunk)
                 reading["bytes"] += len(chunk)
-                if got["bytes"] > max_request_bytes:
+                if got > max_request_bytes:
                     raise ApiError(413, too_big, code="request_too_large")
                 if reading["bytes"] > pending_budget:
                     raise ApiError(503, "the server is reading too many request bodies at once; retry",
@@ -118,7 +119,7 @@ def create_app(load: Callable[[], Any], model_name: str,
             raise ApiError(408, f"the request body did not arrive within {body_seconds:g} s",
                            code="request_timeout") from None
         finally:
-            reading["bytes"] -= got["bytes"]
+            reading["bytes"] -= got
         return b"".join(chunks)
 
     async def until_disconnect(request: HttpRequest) -> None:
