@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -93,9 +94,11 @@ def gguf_build(tmp_path_factory):
 
     if find_converter() is None:
         pytest.skip("llama.cpp's converter is not set up (make setup)")
-    path = _gguf_recipe(tmp_path_factory.mktemp("recipes"))
+    folder = tmp_path_factory.mktemp("recipes")
+    path = _gguf_recipe(folder)
     assert main(["engine", "--recipe", str(path), "--backend", "embedded"]) == 0
-    return load_recipe(path)
+    yield load_recipe(path)
+    shutil.rmtree(folder, ignore_errors=True)  # 0.8 GB of models: pytest keeps a module's folders to the end
 
 
 @pytest.mark.slow

@@ -147,3 +147,23 @@ def test_stage_dir_removes_scratch_that_dead_runs_left_and_keeps_live_ones(tmp_p
         assert (final / "model.bin").read_text() == "the last good output" and not set_aside.exists()
         (tmp / "model.bin").write_text("new")
     assert (final / "model.bin").read_text() == "new" and live.exists()
+
+
+def test_link_tree_links_each_file_and_copies_where_links_fail(tmp_path, monkeypatch):
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    (src / "model.safetensors").write_bytes(b"w" * 64)
+    (src / "sub" / "tokenizer.json").write_text("{}")
+    (src / mf.MANIFEST).write_text("{}")
+    (src / "skip.bin").write_bytes(b"x")
+    mf.link_tree(src, tmp_path / "linked", "*.bin")
+    assert (tmp_path / "linked" / "model.safetensors").samefile(src / "model.safetensors")
+    assert (tmp_path / "linked" / "sub" / "tokenizer.json").samefile(src / "sub" / "tokenizer.json")
+    assert not (tmp_path / "linked" / mf.MANIFEST).exists() and not (tmp_path / "linked" / "skip.bin").exists()
+
+    def cross_device(a, b):
+        raise OSError(18, "Invalid cross-device link")
+    monkeypatch.setattr(mf.os, "link", cross_device)
+    mf.link_tree(src, tmp_path / "copied")
+    copy = tmp_path / "copied" / "model.safetensors"
+    assert copy.read_bytes() == b"w" * 64 and not copy.samefile(src / "model.safetensors")

@@ -150,6 +150,13 @@ def test_engine_folder_serves_tokens(qwen_build):
     assert out.shape[1] == ids.shape[1] + 5
 
 
+def test_the_engine_links_the_quantized_weights_instead_of_copying_them(qwen_build):
+    engine = qwen_build.out_dir / "build" / "embedded" / "model"
+    quantized = qwen_build.layout.weights("int8_wo")
+    shared = [p.name for p in quantized.glob("*.safetensors") if (engine / p.name).samefile(p)]
+    assert shared and not (engine / "manifest.json").exists()
+
+
 def test_the_build_prices_the_fp8_kv_cache_and_the_report_shows_it(qwen_build):
     from trtbuild.__main__ import report
 

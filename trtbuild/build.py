@@ -18,7 +18,6 @@ rebuilds nothing.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -126,12 +125,12 @@ def run(recipe: Recipe, backend: str = "auto", trtllm_env: Any = None, runner: A
         extra: dict[str, Any] = {}
         drafter_rel = None
         if chosen == "embedded":
-            shutil.copytree(src, tmp / "model", ignore=shutil.ignore_patterns(mf.MANIFEST))
+            mf.link_tree(src, tmp / "model")
             drafter = drafter_dir(recipe)
             if drafter is not None:  # the head the embedded engine drafts with (speculative decoding)
                 if not (drafter / "model.safetensors").is_file():
                     raise FileNotFoundError(f"build: no drafter at {drafter}: run `make drafter` first")
-                shutil.copytree(drafter, tmp / "drafter", ignore=shutil.ignore_patterns(mf.MANIFEST))
+                mf.link_tree(drafter, tmp / "drafter")
                 drafter_rel = "drafter"
             extra["kv_cache_price"] = (
                 {"skipped": "llama.cpp serves GGUF with its own f16 KV cache; the FP8 cache is the torch runners'"}
@@ -141,12 +140,12 @@ def run(recipe: Recipe, backend: str = "auto", trtllm_env: Any = None, runner: A
                 if not (cpu_src / (GGUF_FILE if is_gguf(recipe.build.cpu_quantization) else "config.json")).is_file():
                     raise FileNotFoundError(f"build: no weights at {cpu_src} (build.cpu_quantization): "
                                             "run the earlier stages first")
-                shutil.copytree(cpu_src, tmp / CPU_MODEL_DIR, ignore=shutil.ignore_patterns(mf.MANIFEST))
+                mf.link_tree(cpu_src, tmp / CPU_MODEL_DIR)
         else:
             (tmp / "engine").mkdir()
             extra["steps"] = tb.run_steps(steps or [], tmp / "engine", runner or tb.run_subprocess)
             # the tokenizer (and HF config) the runtime detokenizes with; weights live in the engine
-            shutil.copytree(src, tmp / "model", ignore=shutil.ignore_patterns("*.safetensors", mf.MANIFEST))
+            mf.link_tree(src, tmp / "model", "*.safetensors")
         (tmp / ENGINE_FILE).write_text(json.dumps(engine_config(recipe, chosen, drafter_rel), indent=2) + "\n")
         if _cpu_weights(recipe, chosen):
             extra["cpu_quantization"] = recipe.build.cpu_quantization

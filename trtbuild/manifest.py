@@ -65,6 +65,25 @@ def hash_tree(root: Path,
     }
 
 
+def _link_or_copy(src: str, dst: str) -> str:
+    try:
+        os.link(src, dst)
+    except OSError:  # another filesystem, or one without hard links
+        shutil.copy2(src, dst)
+    return dst
+
+
+def link_tree(src: Path, dst: Path, *ignore: str) -> None:
+    """`src` copied to `dst` (without its manifest and the `ignore` patterns), each file hard-linked where
+    the filesystem allows, else copied.
+
+    Why links: the build packs the quantized weights into the engine folder, and a copy doubles them on disk
+    (28 GB more at 14B; at 135M the test suite's copies filled a CI machine's disk). Safe because no stage
+    output is ever written in place: each stage writes a scratch folder and renames it (`stage_dir`), so a
+    rerun makes new files and the engine keeps the ones it was built from."""
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(MANIFEST, *ignore), copy_function=_link_or_copy)
+
+
 def dir_size(root: Path) -> int:
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
 
