@@ -487,6 +487,7 @@ def _forked_cell(req, base_globals, cfg, out_w, err_w):
         _drop_privileges(cfg.get("uid"))
         os.chdir(cfg["workdir"])
         _apply_limits(cfg)
+        _confine_syscalls()
         _std_streams()
         status = _run_code(req["code"], dict(base_globals))
         _flush()
@@ -577,7 +578,7 @@ def _session_child(req_fd, status_fd, glob):
     of the cell leads to the channel; /proc/self/task/<tid>/fd shows the channel thread's links,
     but reopening a pipe through them is refused (the pipes belong to root and the cell runs as
     the slot's uid; without the uid drop this holds only as far as the user namespace does), and
-    pidfd_getfd(), which could copy them, is filtered out (`_deny_fd_theft`). The two threads hand
+    pidfd_getfd(), which could copy them, is filtered out (`_confine_syscalls`). The two threads hand
     over a cell and its status through queues; the cell runs in the main thread, where the
     interval timer's signal arrives.
     """
@@ -621,7 +622,7 @@ def _session_child(req_fd, status_fd, glob):
     private.wait()
     os.close(req_fd)
     os.close(status_fd)
-    _deny_fd_theft()
+    _confine_syscalls()
     me = os.getpid()
     while True:
         try:
@@ -650,30 +651,93 @@ def _session_child(req_fd, status_fd, glob):
 
 
 PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
-SYS_PIDFD_GETFD = 438  # the same number on every architecture (the shared syscall table since 5.1)
+SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_TSYNC = 1, 1
+SECCOMP_ALLOW, SECCOMP_ERRNO = 0x7FFF0000, 0x00050000
+EPERM, ENOSYS = 1, 38
+# the clone flags that make new namespaces (CLONE_NEWTIME, 0x80, is not one of clone()'s: there it is the exit signal)
+CLONE_NEW_ANY = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000
+# numbers the unified syscall table gave every architecture but alpha and mips (their tables are offset)
+SYS_PIDFD_GETFD, SYS_CLONE3 = 438, 435
+# a 64-bit interpreter's audit arch and its numbers of unshare, setns, clone (flags in args[0]) and seccomp
+NATIVE_SYSCALLS = {"x86_64": (0xC000003E, 272, 308, 56, 317), "aarch64": (0xC00000B7, 97, 268, 220, 277),
+                   "riscv64": (0xC00000F3, 97, 268, 220, 277)}
 
 
-def _deny_fd_theft():
-    """Refuse pidfd_getfd() in this process and all it starts (EPERM), via a 5-instruction seccomp filter.
+def _abi():
+    """The interpreter's machine as NATIVE_SYSCALLS names it, "" for one it lacks (uname names the kernel's:
+    a 32-bit interpreter on a 64-bit kernel makes its calls through another ABI), None where the shared
+    numbers are not shared."""
+    machine = os.uname().machine
+    if machine.startswith(("alpha", "mips")):
+        return None
+    return machine if struct.calcsize("P") == 8 and machine in NATIVE_SYSCALLS else ""
 
-    pidfd_getfd() copies a descriptor out of another task's table, and a task may do it to any
-    thread of its own process (a thread's pidfd, Linux 6.9+): that would reach the session's
-    channel thread. Nothing a cell legitimately does needs it. Best effort: on a kernel built
-    without seccomp filters the call stays open.
+
+def _syscall_filter(abi):
+    """The seccomp program (classic BPF, (code, jt, jf, k) tuples) `_confine_syscalls` installs.
+
+    Refused with EPERM: pidfd_getfd (copies a descriptor out of another thread's table: the session's channel
+    thread), unshare, setns, and clone with a namespace flag (a cell in a user namespace of its own is root there:
+    mounts, every namespaced interface of the kernel opened to model code). clone3 answers ENOSYS, as in
+    container runtimes: its flags sit in memory a filter cannot read, and glibc, seeing ENOSYS, starts threads
+    and processes with clone. Another ABI than the native one (int 0x80's i386 calls from an x86_64 process,
+    x32 numbers) answers ENOSYS to everything: its numbers would pass the checks above. On an ABI without a
+    table here ("") only the two shared numbers are filtered.
     """
-    bpf = [(0x20, 0, 0, 0),  # A = seccomp_data.nr
-           (0x15, 2, 0, SYS_PIDFD_GETFD),  # pidfd_getfd: deny
-           (0x15, 1, 0, SYS_PIDFD_GETFD | 0x40000000),  # and its x32 number
-           (0x06, 0, 0, 0x7FFF0000),  # allow
-           (0x06, 0, 0, 0x00050000 | 1)]  # deny with EPERM
+    ld_arch, ld_nr, ld_arg0 = (0x20, 0, 0, 4), (0x20, 0, 0, 0), (0x20, 0, 0, 16)  # seccomp_data fields
+    deny, nosys = (0x06, 0, 0, SECCOMP_ERRNO | EPERM), (0x06, 0, 0, SECCOMP_ERRNO | ENOSYS)
+    allow = (0x06, 0, 0, SECCOMP_ALLOW)
+    if abi not in NATIVE_SYSCALLS:
+        return [ld_nr, (0x15, 2, 0, SYS_PIDFD_GETFD), (0x15, 2, 0, SYS_CLONE3), allow, deny, nosys]
+    arch, unshare, setns, clone, _ = NATIVE_SYSCALLS[abi]
+    return [ld_arch,
+            (0x15, 1, 0, arch),  # the native ABI: go on
+            nosys,
+            ld_nr,
+            (0x45, 9, 0, 0x40000000),  # x32's numbers: ENOSYS
+            (0x15, 7, 0, SYS_PIDFD_GETFD),
+            (0x15, 6, 0, unshare),
+            (0x15, 5, 0, setns),
+            (0x15, 5, 0, SYS_CLONE3),
+            (0x15, 0, 2, clone),
+            ld_arg0,  # clone's flags (their low 32 bits: every CLONE_NEW* is there)
+            (0x45, 1, 0, CLONE_NEW_ANY),
+            allow,
+            deny,
+            nosys]
+
+
+def _confine_syscalls():
+    """Install `_syscall_filter` in every thread of this process and all they start, with no_new_privs.
+
+    Every thread: a session's interpreter has its channel thread (which did its unshare(CLONE_FILES) before
+    this), and a cell can make that thread run its code (it calls json.dumps, os.read): a filter on the calling
+    thread alone (prctl) left a fork from there free to unshare. So the filter goes in through seccomp() with
+    TSYNC, and a failure to install it ends the process with a message on its stderr: the cell never runs
+    unconfined. Where no table is known (another ABI) prctl installs the two shared numbers' filter, best effort;
+    on alpha and mips nothing is installed."""
+    abi = _abi()
+    if abi is None:
+        return
+    bpf = _syscall_filter(abi)
     prog = b"".join(struct.pack("HBBI", *ins) for ins in bpf)
     buf = ctypes.create_string_buffer(prog)
-    fprog = struct.pack("@HP", len(bpf), ctypes.addressof(buf))  # struct sock_fprog
+    fprog = ctypes.create_string_buffer(struct.pack("@HP", len(bpf), ctypes.addressof(buf)))  # struct sock_fprog
     global _libc
     if _libc is None:
         _libc = ctypes.CDLL(None, use_errno=True)
-    _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-    _libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.c_char_p(fprog), 0, 0)
+    if abi not in NATIVE_SYSCALLS:
+        _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+        _libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, fprog, 0, 0)
+        return
+    ctypes.set_errno(0)
+    done = _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+    if done == 0:  # else -1; with TSYNC a positive result is the thread that could not take the filter
+        done = _libc.syscall(NATIVE_SYSCALLS[abi][4], SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_TSYNC, fprog)
+    if done != 0:
+        why = f"thread {done} could not take it" if done > 0 else os.strerror(ctypes.get_errno())
+        os.write(2, f"sandbox: the system-call filter could not be installed: {why}\n".encode())
+        os._exit(120)
 
 
 class SessionChild:

@@ -33,7 +33,7 @@ from sandbox_attack_kit import (  # noqa: F401
     wait_gone,
 )
 
-from sandbox import SandboxConfig, SandboxPool, isolation
+from sandbox import SandboxConfig, SandboxPool, _worker, isolation
 from sandbox.worker import WorkerDied
 
 # ---- 1. nothing a cell starts outlives its cell, its session or its pool
@@ -498,6 +498,130 @@ def test_what_a_forked_copy_of_a_session_cell_prints_never_lands_in_the_next_cel
             if r.stdout.text != "7\n":
                 leaked.append(r.stdout.text)
         assert not leaked, leaked[:3]
+
+NAMESPACE_PROBE = """
+import ctypes, os, subprocess, threading
+libc = ctypes.CDLL(None, use_errno=True)
+NEWUSER, NEWNS, NEWNET = 0x10000000, 0x00020000, 0x40000000
+
+def call(nr, *args):
+    ctypes.set_errno(0)
+    return libc.syscall(nr, *args), ctypes.get_errno()
+
+seen = {
+    "unshare": call(UNSHARE, NEWUSER | NEWNS | NEWNET),
+    "setns": call(SETNS, os.open("/proc/self/ns/user", os.O_RDONLY), 0),
+    "clone": call(CLONE, NEWUSER | 17, 0, 0, 0, 0),  # 17: SIGCHLD
+    "clone3": call(435, 0, 0),
+}
+if X32:
+    seen["x32 unshare"] = call(UNSHARE | 0x40000000, NEWUSER)
+t = threading.Thread(target=lambda: None)
+t.start()
+t.join()
+pid = os.fork()
+if pid == 0:
+    os._exit(7)
+seen["fork"] = os.WEXITSTATUS(os.waitpid(pid, 0)[1])
+seen["subprocess"] = subprocess.run(["/bin/sh", "-c", "exit 3"]).returncode
+tasks = os.listdir("/proc/self/task")  # a session's interpreter has its channel thread: filtered too
+seen["unfiltered threads"] = [t for t in tasks if "Seccomp:\t2" not in open(f"/proc/self/task/{t}/status").read()]
+print(sorted(seen.items()))
+"""
+
+
+@pytest.mark.skipif(os.uname().machine not in _worker.NATIVE_SYSCALLS, reason="no native syscall table here")
+@pytest.mark.parametrize("where", ["pool", "session"])
+def test_cells_cannot_make_namespaces(pool, where):
+    """unshare, setns and clone with namespace flags are refused (EPERM), clone3 and another ABI's numbers
+    answer ENOSYS (glibc falls back to clone): a cell in a user namespace of its own would be root there.
+    Threads, forks and subprocesses still start."""
+    _, unshare, setns, clone, _ = _worker.NATIVE_SYSCALLS[os.uname().machine]
+    code = (f"UNSHARE, SETNS, CLONE, X32 = {unshare}, {setns}, {clone}, {os.uname().machine == 'x86_64'}"
+            + NAMESPACE_PROBE)
+    if where == "pool":
+        r = pool.run(code)
+    else:
+        with pool.session() as s:
+            r = s.run(code)
+    assert r.status == "ok", r
+    seen = dict(eval(r.stdout.text))  # noqa: S307 - the cell's own printout of tuples and ints
+    eperm, enosys = (-1, 1), (-1, 38)
+    assert seen["unshare"] == eperm and seen["setns"] == eperm and seen["clone"] == eperm, seen
+    assert seen["clone3"] == enosys and seen.get("x32 unshare", enosys) == enosys, seen
+    assert seen["fork"] == 7 and seen["subprocess"] == 3 and seen["unfiltered threads"] == [], seen
+
+
+def test_a_cell_running_code_in_the_channel_thread_is_filtered_there_too(pool):
+    """The session's channel thread calls json.dumps for each status: a cell that replaces it runs its code in
+    that thread. A filter on the cell's thread alone (prctl) left a fork from there free to unshare."""
+    hook = textwrap.dedent("""
+        import ctypes, json, os, threading
+        libc = ctypes.CDLL(None, use_errno=True)
+        plain = json.dumps
+
+        def hooked(*args, **kw):
+            if threading.current_thread().name == "sandbox-channel" and not os.path.exists("probe.txt"):
+                pid = os.fork()
+                if pid == 0:
+                    ctypes.set_errno(0)
+                    done = libc.unshare(0x10000000 | 0x00020000)  # a user namespace, a mount namespace
+                    with open("probe.txt", "w") as f:
+                        f.write(f"{done} {ctypes.get_errno()}")
+                    os._exit(0)
+                os.waitpid(pid, 0)
+            return plain(*args, **kw)
+        json.dumps = hooked
+    """)
+    with pool.session() as s:
+        assert s.run(hook).ok
+        r = s.run("print(open('probe.txt').read())")
+        assert r.status == "ok" and r.stdout.text == "-1 1\n", r  # EPERM
+
+
+def _run_bpf(program, nr, arch, arg0=0):
+    """The action classic BPF `program` returns for a seccomp_data of (nr, arch, args[0])."""
+    import struct
+
+    data = struct.pack("<iIQQ", nr, arch, 0, arg0) + bytes(40)
+    pc, acc = 0, 0
+    while True:
+        code, jt, jf, k = program[pc]
+        if code == 0x20:
+            acc = struct.unpack_from("<I", data, k)[0]
+        elif code == 0x15:
+            pc += jt if acc == k else jf
+        elif code == 0x45:
+            pc += jt if acc & k else jf
+        elif code == 0x06:
+            return k
+        else:
+            raise AssertionError(f"opcode {code:#x}")
+        pc += 1
+
+
+@pytest.mark.parametrize("abi", ["x86_64", "aarch64", "riscv64", ""])
+def test_the_syscall_filter_program(abi):
+    """The filter's program, run by a small classic-BPF interpreter over every case it decides: its jumps,
+    whatever kernel this runs on."""
+    allow, eperm, enosys = 0x7FFF0000, 0x00050001, 0x00050026
+    program = _worker._syscall_filter(abi)
+    if not abi:
+        assert _run_bpf(program, 438, 0) == eperm and _run_bpf(program, 435, 0) == enosys
+        assert _run_bpf(program, 39, 0) == allow
+        return
+    arch, unshare, setns, clone, seccomp = _worker.NATIVE_SYSCALLS[abi]
+    thread_flags = 0x3D0F00  # what glibc's pthread_create passes to clone
+    cases = [(unshare, arch, 0x10000000, eperm), (unshare, arch, 0x400, eperm), (setns, arch, 3, eperm),
+             (438, arch, 0, eperm), (435, arch, 0, enosys), (clone, arch, thread_flags, allow),
+             (clone, arch, 0x11, allow), (clone, arch, 0x80 | 0x11, allow),  # 0x80: an exit signal there
+             (clone, arch, 0x10000000 | 0x11, eperm), (clone, arch, 0x40000000, eperm), (clone, arch, 0x20000, eperm),
+             (clone, arch, 0xFFFFFFFF00000011, allow), (seccomp, arch, 1, allow), (0, arch, 0, allow),
+             (unshare, 0x40000003, 0x10000000, enosys), (310, 0x40000003, 0, enosys),  # another ABI: i386
+             (unshare | 0x40000000, arch, 0x10000000, enosys), (-1, arch, 0, enosys)]
+    for nr, a, arg0, want in cases:
+        assert _run_bpf(program, nr, a, arg0) == want, (abi, nr, hex(a), hex(arg0))
+
 
 def test_cells_cannot_read_the_worker_process(pool):
     code = ("import os\nfor p in ('/proc/1/fd', '/proc/1/mem', '/proc/1/environ'):\n    try:\n"
