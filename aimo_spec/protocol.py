@@ -55,6 +55,9 @@ class Request:
     params: SamplingParams = field(default_factory=SamplingParams)
     request_id: str = ""
     deadline: Optional[float] = None  # time.monotonic() after which the request ends with 'timeout'
+    # KV prefixes are reused only between requests with the same salt: one per tenant of a shared server (reused
+    # KV shows in the first-token time and cached_tokens, telling a client how another's prompt began)
+    cache_salt: str = ""
 
     def __post_init__(self) -> None:
         if not self.request_id:

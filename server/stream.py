@@ -144,6 +144,7 @@ class EngineBase:
     """The engine protocol's shared half: tokenizer methods and `generate` over `RequestStream`."""
 
     name = "engine"
+    separates_cache_salts = False  # whether Request.cache_salt keeps KV reuse within a salt (else refused)
     tokenizer: Any
     _closed = False
     _outbox: Optional[Outbox] = None  # a driver that batches its wake-ups sets one and flushes it

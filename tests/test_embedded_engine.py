@@ -102,6 +102,30 @@ def test_prefix_reuse_is_exact(hf):
         fresh.shutdown()
 
 
+def test_prefix_reuse_stays_within_a_cache_salt(hf):
+    """KV is reused only between requests of one salt: another tenant's identical prompt is computed afresh
+    (its cached_tokens and first-token time would tell it how the other's prompt began), parked or running."""
+    text = prompts(hf[1], 1)[0]
+    eng = EmbeddedEngine(*hf, max_batch_size=3, max_seq_len=256, threads=1)
+    n = len(eng.tokenize(text))
+    try:
+        _, a = asyncio.run(collect(eng, Request(text, GREEDY, cache_salt="tenant-a")))
+        _, b = asyncio.run(collect(eng, Request(text, GREEDY, cache_salt="tenant-b")))
+        _, shared = asyncio.run(collect(eng, Request(text, GREEDY)))
+        _, again = asyncio.run(collect(eng, Request(text, GREEDY, cache_salt="tenant-a")))
+        _, after_shared = asyncio.run(collect(eng, Request(text, GREEDY, cache_salt="tenant-e")))
+        assert (a.cached_tokens, b.cached_tokens, shared.cached_tokens, after_shared.cached_tokens) == (0, 0, 0, 0)
+        assert again.cached_tokens == n - 1 and a.token_ids == b.token_ids == shared.token_ids == again.token_ids
+
+        async def side_by_side(salts):  # admitted together: a running slot is copied only within a salt
+            return await asyncio.gather(*[collect(eng, Request(text, SamplingParams(seed=i, max_tokens=4),
+                                                               cache_salt=salt)) for i, salt in enumerate(salts)])
+        finals = [f for _, f in asyncio.run(side_by_side(["tenant-c", "tenant-d", "tenant-c"]))]
+        assert [f.cached_tokens for f in finals] == [0, 0, n - 1]
+    finally:
+        eng.shutdown()
+
+
 def test_stop_string_spanning_tokens(engine, hf):
     text = prompts(hf[1], 1)[0]
     _, full = asyncio.run(collect(engine, Request(text, SamplingParams(temperature=0, max_tokens=40))))

@@ -109,6 +109,19 @@ def test_text_only_mode_keeps_the_text(replicas, local, tiny_models):
         eng.shutdown()
 
 
+def test_the_cache_salt_travels_to_the_replica(replicas, tiny_models):
+    """A salted request reaches the replica with its salt: there KV is reused within the salt only."""
+    eng = engine_for(replicas[0].url, tiny_models)
+    try:
+        assert eng.replicas[0].salts and eng.separates_cache_salts  # probed: this server keeps salts apart
+        prompt = eng.tokenize(eng.chat_prompt("What is 5 times 9?"))
+        finals = [run(collect(eng, Request(prompt, GREEDY, cache_salt=salt)))[1]
+                  for salt in ("backend-a", "backend-b", "backend-a")]
+        assert [f.cached_tokens for f in finals] == [0, 0, len(prompt) - 1]
+    finally:
+        eng.shutdown()
+
+
 def test_cancel_deadline_and_a_closed_engine(replicas, local, tiny_models):
     srv = replicas[0]
     eng = engine_for(srv.url, tiny_models)
@@ -225,3 +238,43 @@ def test_a_replica_killed_mid_run_fails_over_then_a_clear_error(replicas, local,
         assert f.finish_reason == "error" and replicas[0].url in f.error and victim.url in f.error
     finally:
         eng.shutdown()
+
+
+class _ScriptedReplica:
+    """A client double whose POSTs answer from a script: (status, cached_tokens or None for no details)."""
+
+    def __init__(self, answers):
+        self.answers, self.bodies = list(answers), []
+
+    async def post(self, url, json, headers, timeout):
+        self.bodies.append(json)
+        status, cached = self.answers.pop(0)
+        details = {} if cached is None else {"prompt_tokens_details": {"cached_tokens": cached}}
+        usage = {"prompt_tokens": 60, **details}
+
+        class Response:
+            status_code, content = status, b'{"error": {"message": "no"}}'
+
+            @staticmethod
+            def json():
+                return {"usage": usage}
+        return Response()
+
+
+@pytest.mark.parametrize("answers, keeps_apart", [
+    ([(200, 0), (200, 48), (200, 0)], True),
+    ([(200, 0), (200, 48), (200, 48)], False),  # ignores the salt: reuses across salts
+    ([(200, None), (200, None), (200, None)], False),  # reports no cached tokens: cannot tell
+    ([(200, 0), (200, 0), (200, 0)], False),
+    ([(400, 0)], False),  # refuses the field
+])
+def test_a_replica_is_trusted_with_salts_only_once_probed_keeping_them_apart(answers, keeps_apart):
+    from server.openai.probe import _separates_salts
+    from server.openai.replicas import Replica
+
+    client = _ScriptedReplica(answers)
+    assert run(_separates_salts(Replica("http://r/v1", model="m"), client, {})) is keeps_apart
+    salts = [b["cache_salt"] for b in client.bodies]
+    assert len(set(salts[:2])) == 1 and (len(salts) < 3 or salts[2] != salts[0])
+    with pytest.raises(Exception, match="HTTP 503"):
+        run(_separates_salts(Replica("http://r/v1", model="m"), _ScriptedReplica([(503, 0)]), {}))

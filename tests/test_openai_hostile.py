@@ -355,6 +355,36 @@ def test_stop_lists_are_bounded(served):
     assert post_raw(served.base, COMPLETIONS, json.dumps(ok).encode()).status_code == 200
 
 
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+def test_a_cache_salt_keeps_prefix_reuse_within_its_tenant(served, monkeypatch, path):
+    """Reused KV shows in cached_tokens and the first-token time, telling a client how another's prompt began:
+    requests with a cache_salt share KV only with their salt (vLLM's field); a backend that cannot keep salts
+    apart refuses the field rather than ignore it; a refused salt is not echoed (it is its tenant's secret)."""
+    import uuid
+
+    from server.openai.parsing import MAX_CACHE_SALT_CHARS
+
+    def body(salt="absent", **extra):
+        text = f"The tenant's secret preamble {path}: 1, 2, 3, 4,"
+        head = {"messages": [{"role": "user", "content": text}]} if path == CHAT else {"prompt": text}
+        return {**head, "max_tokens": 2, **({} if salt == "absent" else {"cache_salt": salt}), **extra}
+
+    def cached(salt="absent"):
+        r = post_raw(served.base, path, json.dumps(body(salt)).encode())
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    a, b = uuid.uuid4().hex, uuid.uuid4().hex
+    assert cached(a) == 0 and cached(b) == 0 and cached(a) > 0
+    assert cached() == 0 and cached(None) > 0 and cached(uuid.uuid4().hex) == 0  # null: unsalted
+    secret = "s3cret-" + "x" * MAX_CACHE_SALT_CHARS
+    for bad in (7, "", secret, ["a"]):
+        r = post_raw(served.base, path, json.dumps(body(bad)).encode())
+        assert "s3cret" not in assert_openai_error(r, 400, "cache_salt")["message"]
+    monkeypatch.setattr(served.engine, "separates_cache_salts", False)
+    r = post_raw(served.base, path, json.dumps(body("a")).encode())
+    assert "shares its KV cache" in assert_openai_error(r, 400, "cache_salt")["message"]
+
+
 def test_a_tiny_temperature_samples_greedily(served):
     """logits / 1e-38 overflows float32 (NaN probabilities drew token 0): temperatures under 1e-5 are greedy."""
     def tokens(t):

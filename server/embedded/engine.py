@@ -45,6 +45,7 @@ from server.stream import EngineBase, Outbox, RequestStream
 
 class EmbeddedEngine(EngineBase):
     name = "embedded"
+    separates_cache_salts = True  # the scheduler's prefix reuse stays within a salt
 
     def __init__(self, model: Any = None, tokenizer: Any = None, max_batch_size: int = 16, max_seq_len: int = 4096,
                  max_input_len: Optional[int] = None, prefix_reuse: bool = True, threads: Optional[int] = None,

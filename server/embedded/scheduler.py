@@ -12,6 +12,9 @@ Prefix reuse: a new request starts from the longest common token prefix found in
 one is taken over (the next turn of a TIR sample continues from its own history without re-reading
 it), a running one is copied (samples of one problem share the prompt's prefill); otherwise it evicts
 the least recently used parked slot. `Final.cached_tokens` says how many prompt tokens were reused.
+Only requests with the same `Request.cache_salt` share KV: a request's first-token time and cached_tokens
+would otherwise tell its client whether anyone else's prompt began the same way (the empty salt is one
+shared tenant).
 In deterministic mode only whole aligned prefill chunks are reused (server/embedded/deterministic.py).
 """
 
@@ -40,7 +43,7 @@ class Scheduler:
         # a request of thousands of choices cancels every one of them)
         self.waiting: OrderedDict[int, Seq] = OrderedDict()
         self.running: list[Seq] = []  # running[i].slot == i
-        self.parked: dict[int, tuple[list[int], float]] = {}  # slot -> (tokens with KV, last use)
+        self.parked: dict[int, tuple[list[int], float, str]] = {}  # slot -> (tokens with KV, last use, salt)
         self.by_id: dict[str, Seq] = {}  # every request not yet finished, waiting or running
         # (deadline, arrival, seq) of requests with one, soonest first: each iteration's expiry check costs
         # what has expired, not a walk over every request in flight (a queue may hold thousands)
@@ -101,11 +104,11 @@ class Scheduler:
         if seq.max_new < 1:
             return seq, f"prompt of {n} tokens leaves no room below max_seq_len {self.max_seq_len}"
         slot = len(self.running)
-        best, best_len = self._longest_prefix(seq.prompt, slot)
+        best, best_len = self._longest_prefix(seq.prompt, slot, seq.req.cache_salt)
         if best >= slot:  # a parked slot: take it over
             self._move_parked(best, slot)
         else:  # evict the least recently used parked slot; copy a running one's prefix in
-            victim = min(range(slot, self.max_batch_size), key=lambda s: self.parked.get(s, ([], -1.0))[1])
+            victim = min(range(slot, self.max_batch_size), key=lambda s: self.parked.get(s, ([], -1.0, ""))[1])
             self._move_parked(victim, slot)
             if best >= 0:
                 self.runner.copy(best, slot, best_len)
@@ -122,9 +125,12 @@ class Scheduler:
         first computes the prompt, the rest copy it)."""
         if not (self.waiting and admitted and self.prefix_reuse) or len(self.running) >= self.max_batch_size:
             return False
-        prompt = next(iter(self.waiting.values())).prompt
-        have = self._longest_prefix(prompt, len(self.running))[1]
+        nxt = next(iter(self.waiting.values()))
+        prompt, salt = nxt.prompt, nxt.req.cache_salt
+        have = self._longest_prefix(prompt, len(self.running), salt)[1]
         for seq in admitted:
+            if seq.req.cache_salt != salt:
+                continue
             i = _common_prefix(seq.prompt, prompt, min(len(seq.prompt), len(prompt) - 1))
             if (deterministic.whole_chunks(i) if self.deterministic else i) > have:
                 return True
@@ -146,7 +152,7 @@ class Scheduler:
                 self.running[i], other.slot = other, i
             self.running.pop()
             kept = seq.canonical if self.deterministic else seq.kv_len
-            self.parked[last] = (seq.tokens[:kept], time.monotonic())
+            self.parked[last] = (seq.tokens[:kept], time.monotonic(), seq.req.cache_salt)
         return True
 
     def drop_all(self) -> list[Seq]:
@@ -157,21 +163,24 @@ class Scheduler:
         self.parked.clear()
         return live
 
-    def _slot_tokens(self, slot: int) -> list[int]:
-        """The tokens whose KV a new request may reuse from `slot` (deterministic mode: canonical KV only)."""
+    def _slot_tokens(self, slot: int, salt: str) -> list[int]:
+        """The tokens whose KV a new request with cache salt `salt` may reuse from `slot` (none where the slot
+        holds another salt's; deterministic mode: canonical KV only)."""
         if slot < len(self.running):
             s = self.running[slot]
-            return s.tokens[:s.canonical if self.deterministic else s.kv_len]
-        return self.parked.get(slot, ([], 0.0))[0]
+            return s.tokens[:s.canonical if self.deterministic else s.kv_len] if s.req.cache_salt == salt else []
+        toks, _, owner = self.parked.get(slot, ([], 0.0, salt))
+        return toks if owner == salt else []
 
-    def _longest_prefix(self, prompt: list[int], slot: int) -> tuple[int, int]:
-        """(slot, length) of the longest reusable prefix of `prompt`, (-1, 0) when none; on a tie a parked
-        slot (at or past `slot`) wins over a running one, since taking it over costs no copy."""
+    def _longest_prefix(self, prompt: list[int], slot: int, salt: str) -> tuple[int, int]:
+        """(slot, length) of the longest prefix of `prompt` that a request with cache salt `salt` may reuse,
+        (-1, 0) when none; on a tie a parked slot (at or past `slot`) wins over a running one, since taking
+        it over costs no copy."""
         best, best_len = -1, 0
         if not self.prefix_reuse:
             return best, best_len
         for s in range(self.max_batch_size):
-            toks = self._slot_tokens(s)
+            toks = self._slot_tokens(s, salt)
             i = _common_prefix(toks, prompt, min(len(toks), len(prompt) - 1))  # one token left to compute:
             if self.deterministic:  # its logits start the reply
                 i = deterministic.whole_chunks(i)

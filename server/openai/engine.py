@@ -98,6 +98,11 @@ class OpenAIEngine(EngineBase):
             raise failed[0]
 
     @property
+    def separates_cache_salts(self) -> bool:  # type: ignore[override]
+        """The salt is forwarded (`cache_salt`): true once every replica was probed keeping salts apart."""
+        return all(r.probed and r.salts for r in self.replicas)
+
+    @property
     def ready(self) -> bool:
         now = time.monotonic()
         return not self._closed and any(r.probed and r.up(now) for r in self.replicas)

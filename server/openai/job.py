@@ -30,6 +30,7 @@ class Job:
     text_out: bool = True  # trtllm's detokenize: false sends ids only
     tokens_as_ids: bool = False
     include_stop: bool = False
+    cache_salt: str = ""  # KV prefixes are shared only within a salt (Request.cache_salt)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -42,5 +43,6 @@ class Job:
                 # (TensorRT-LLM's and Triton's seeds are uint64; torch folds a negative seed the same way)
                 seeded = self.params.seed is not None
                 p = replace(self.params, seed=(self.params.seed + i) % 2**64) if seeded else self.params
-                out.append((pi * self.n + i, pi, Request(prompt, p, f"{self.kind}-{self.id}-{pi * self.n + i}")))
+                out.append((pi * self.n + i, pi, Request(prompt, p, f"{self.kind}-{self.id}-{pi * self.n + i}",
+                                                            cache_salt=self.cache_salt)))
         return out

@@ -24,6 +24,7 @@ MAX_N = 128
 # of a thousand prompts at n=128 would otherwise queue 128k of them ahead of every other client
 MAX_CHOICES = 4096
 MAX_STOP_TOKEN_IDS = 128  # besides the model's end ids; each is compared with every token generated
+MAX_CACHE_SALT_CHARS = 256  # a tenant's secret (128 random bits are 32 hex digits), not a payload
 SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)  # what a torch generator's seed takes; choice i of n gets seed + i
 CHAT_ROLES = ("system", "developer", "user", "assistant")  # developer is OpenAI's newer name for system
 ENGINE_LOGPROBS = 20  # asked of the engine whenever logprobs are wanted: the sampled token is nearly always among them
@@ -132,7 +133,16 @@ class RequestParser:
         params = SamplingParams(
             temperature=float(temperature), top_p=float(top_p), top_k=max(0, top_k), seed=seed, max_tokens=max_tokens,
             stop=stop_strings(body), stop_token_ids=tuple(stop_ids), ignore_eos=flag_field(body, "ignore_eos"))
+        salt = body.get("cache_salt")
+        if salt is not None and (not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT_CHARS):
+            got = f"{len(salt)} characters" if isinstance(salt, str) else type(salt).__name__
+            raise ApiError(400, f"cache_salt must be a string of 1..{MAX_CACHE_SALT_CHARS} characters (got {got})",
+                           "cache_salt")  # not echoed: a salt is its tenant's secret
+        if salt and not getattr(self.engine, "separates_cache_salts", False):
+            raise ApiError(400, f"cache_salt: this server's {getattr(self.engine, 'name', 'engine')} backend shares "
+                                "its KV cache between requests whatever their salt", "cache_salt")
         return Job(kind, self.model_name, prompts, params, n=n, stream=stream, include_usage=include_usage,
+                   cache_salt=salt or "",
                    return_token_ids=flag_field(body, "return_token_ids"), text_out=flag_field(body, "detokenize", True),
                    tokens_as_ids=flag_field(body, "return_tokens_as_token_ids"),
                    include_stop=flag_field(body, "include_stop_str_in_output"))

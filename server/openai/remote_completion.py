@@ -28,6 +28,8 @@ def request_body(rep: Replica, s: RequestStream, tokenizer: Any) -> dict[str, An
         "prompt": history if rep.ids_in else tokenizer.decode(history, skip_special_tokens=False)}
     if p.seed is not None:
         body["seed"] = p.seed
+    if s.request.cache_salt:
+        body["cache_salt"] = s.request.cache_salt
     if p.top_k:
         body["top_k"] = p.top_k
     if p.ignore_eos:

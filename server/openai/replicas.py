@@ -62,6 +62,7 @@ class Replica:
     probed: bool = False
     ids_in: bool = True  # the prompt goes as token ids
     ids_out: str = ""  # return_token_ids | detokenize | "" (text re-tokenized)
+    salts: bool = False  # keeps KV reuse within a cache_salt (probed)
     in_flight: int = 0
     served: int = 0
     failures: int = 0
