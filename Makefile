@@ -41,7 +41,7 @@ PORT ?= 8000
 URL ?=
 SERVE_ARGS ?=
 
-.PHONY: help setup triton-setup triton serve kaggle kaggle-trtllm-wheels eval engine sources merge quantize drafter build report check solve lint test bench bench-scale clean doctor gpu-smoke trtllm-venv
+.PHONY: help setup triton-setup triton serve kaggle kaggle-trtllm-wheels eval engine sources merge quantize drafter build report check solve lint test bench bench-scale gpu-host-wheels clean doctor gpu-smoke trtllm-venv
 
 help:
 	@echo "make setup                 create $(VENV) with the pinned embedded environment"
@@ -61,6 +61,7 @@ help:
 	@echo "make test                  the test suite (what CI runs)"
 	@echo "make lint                  ruff over the tree (what CI runs first)"
 	@echo "make bench-scale SIZES=135m    the whole pipeline on random Qwen2 models of growing size: seconds, RAM, GPU, disk a stage; fit, 7B/14B projection"
+	@echo "make gpu-host-wheels       .whl/: the wheels a GPU host without a package index needs for the pipeline (GPU_HOST_PYTHON=3.12)"
 	@echo "make bench MODEL=mix       every benchmark (sandbox, engine in-flight/sequential/library, harness, Triton, OpenAI serving, formats, speculative decoding) -> bench/summary.md"
 	@echo "make clean MODEL=mix       remove $(OUT)/"
 
@@ -250,6 +251,14 @@ bench: build $(TRITON_SETUP)
 SIZES ?= 135m
 bench-scale: $(SETUP)
 	$(PY) -m trtbuild.programs.bench_scale --sizes $(SIZES) --work engines/scale --out bench/scale.json --resume
+
+# wheels for a GPU host without a package index (its Python GPU_HOST_PYTHON, x86_64 manylinux): what the stages
+# import beyond a PyTorch image; there: pip install --no-index --no-deps --target DIR .whl/*.whl
+GPU_HOST_PYTHON ?= 3.12
+gpu-host-wheels:
+	$(PYTHON) -m pip download --no-deps --only-binary=:all: --python-version $(GPU_HOST_PYTHON) --implementation cp \
+		$(foreach p,manylinux_2_28_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64 any,--platform $(p)) \
+		-d .whl -r requirements/gpu-host-wheels.txt
 
 clean:
 	rm -rf $(OUT)
