@@ -35,16 +35,19 @@ def test_a_gguf_source_is_counted_from_its_tensor_table():
     assert resources.source_params(recipe, "tir") == n  # a fine-tune of it
 
 
-def test_each_stage_still_to_run_counts_what_it_writes(tmp_path, tiny_models):
+def test_each_stage_still_to_run_counts_what_it_writes(tmp_path, tiny_models, monkeypatch):
     recipe = load_recipe(_recipe(tmp_path, tiny_models))
     size = 10**9
     plan = {n.stage: n.disk_bytes for n in resources.needs(recipe, NAMES, size)}
     assert plan["sources"] == 0  # hf sources are used in place
     assert plan["merge"] == size
     assert plan["quantize"] == int(2 * resources.QUANTIZE["int8_wo"] * size)  # int8_wo and fp8
-    assert plan["build"] >= int(resources.WEIGHTS["int8_wo"] * size)
+    assert plan["build"] == 0  # the weights are hard-linked into the engine folder
     held = {n.stage: n.memory_bytes for n in resources.needs(recipe, NAMES, size)}
-    assert held["sources"] == 0 and held["merge"] == size  # nothing to run holds nothing
+    assert held["sources"] == 0 and held["merge"] == held["build"] == size  # nothing to run holds nothing
+    monkeypatch.setattr(resources.mf.os, "link", lambda a, b: (_ for _ in ()).throw(OSError(1, "no links here")))
+    copied = {n.stage: n.disk_bytes for n in resources.needs(recipe, NAMES, size)}
+    assert copied["build"] >= int(resources.WEIGHTS["int8_wo"] * size)
 
 
 def test_the_time_estimate_covers_the_stages_still_to_run_from_the_measured_fit(tmp_path, tiny_models, monkeypatch,

@@ -73,6 +73,22 @@ def _link_or_copy(src: str, dst: str) -> str:
     return dst
 
 
+def links_work(folder: Path) -> bool:
+    """Whether `folder`'s file system (that of its nearest existing ancestor) takes hard links: tried."""
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    probe = folder / f".link-probe-{os.getpid()}"
+    try:
+        probe.touch()
+        os.link(probe, probe.with_suffix(".linked"))
+        return True
+    except OSError:
+        return False
+    finally:
+        for f in (probe, probe.with_suffix(".linked")):
+            f.unlink(missing_ok=True)
+
+
 def link_tree(src: Path, dst: Path, *ignore: str) -> None:
     """`src` copied to `dst` (without its manifest and the `ignore` patterns), each file hard-linked where
     the filesystem allows, else copied.

@@ -13,7 +13,7 @@ share of the weights:
 | merge | 1.0 | 260 MB |
 | quantize | 1.5 a ModelOpt format (HF + TensorRT-LLM exports), 0.6 gguf_q8_0 | 387 / 385 / 148 MB |
 | drafter | 0.25 | 58 MB |
-| build | the served weights (1.0 bf16, 0.7 int8/fp8, 0.6 gguf) + CPU weights + drafter | 359 MB |
+| build | 0: hard links; where they fail, served (1.0 bf16, 0.7 int8/fp8, 0.6 gguf) + CPU weights + drafter | 359 MB |
 
 Disk is checked against the free space of the output folder's file system, for the stages still to
 run (a stage whose folder is complete counts 0, as does a stale one: a rebuild is an estimate's
@@ -150,7 +150,10 @@ def needs(recipe: Recipe, todo: tuple[str, ...], size: int) -> list[Need]:
             cpu = b.cpu_quantization if b.cpu_quantization not in (None, b.quantization) else None
             factor = WEIGHTS[b.quantization] + (WEIGHTS[cpu] if cpu else 0.0)  # cpu_model/ where it differs
             factor += DRAFTER if recipe.drafter.kind != "none" else 0.0
-            disk = int(factor * size)
+            # the weights are hard-linked from the earlier stages' folders where the file system allows
+            disk = 0 if mf.links_work(layout.root) else int(factor * size)
+            out.append(Need(stage, disk, size))  # it runs the model (the FP8 KV cache's price) either way
+            continue
         else:
             disk = 0
         # a stage with nothing to write has nothing to run (hf sources are used in place, no model loaded)
