@@ -23,6 +23,13 @@ FINISH_REASONS: tuple[str, ...] = ("stop", "length", "cancelled", "timeout", "er
 # drawn), and long before that the tempered distribution is the argmax (vLLM's floor is the same 1e-5)
 GREEDY_BELOW_TEMPERATURE = 1e-5
 
+# Stop strings and ids are matched against every sequence at every step, on the engine's thread: their count and
+# length bound that work for every client (OpenAI takes 4 strings; 600k strings stalled an engine for minutes, 100k
+# made another client's request 17x slower)
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 128  # besides the model's end-of-sequence ids
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -47,6 +54,13 @@ class SamplingParams:
             raise ValueError(f"SamplingParams: top_k, top_logprobs must be >= 0 and max_tokens >= 1 (got {self})")
         if any(not s for s in self.stop):
             raise ValueError("SamplingParams.stop: stop strings must not be empty")
+        if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            raise ValueError(f"SamplingParams.stop: at most {MAX_STOP_STRINGS} stop strings of at most "
+                             f"{MAX_STOP_STRING_CHARS} characters (got {len(self.stop)}, the longest "
+                             f"{max(map(len, self.stop))})")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"SamplingParams.stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids "
+                             f"(got {len(self.stop_token_ids)})")
 
 
 @dataclass

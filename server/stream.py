@@ -17,7 +17,7 @@ import asyncio
 import time
 from typing import Any, AsyncIterator, Optional, Sequence
 
-from aimo_spec.chat import encode, encode_literal, render_prompt
+from aimo_spec.chat import encode, encode_literal, max_chars_per_token, render_prompt
 from aimo_spec.protocol import Delta, Event, Final, FinishReason, Request, stream_events
 from server.textstream import IncrementalDetokenizer, StopMatcher
 
@@ -148,6 +148,7 @@ class EngineBase:
     tokenizer: Any
     _closed = False
     _outbox: Optional[Outbox] = None  # a driver that batches its wake-ups sets one and flushes it
+    _chars_per_token: Optional[int] = None  # max_chars_per_token(tokenizer), computed at first use
 
     def tokenize(self, text: str, literal: bool = False) -> list[int]:
         """Ids of chat-formatted text: the template already holds the special tokens. `literal`: text from
@@ -163,11 +164,27 @@ class EngineBase:
     async def generate(self, request: Request) -> AsyncIterator[Event]:
         if self._closed:
             raise RuntimeError(f"{self.name} engine is closed")
-        prompt = self.tokenize(request.prompt) if isinstance(request.prompt, str) else [int(t) for t in request.prompt]
+        text = request.prompt if isinstance(request.prompt, str) else None
+        limit = self._prompt_char_limit() if text is not None else None
+        too_long = limit is not None and len(text or "") > limit
+        prompt = [] if too_long else self.tokenize(text) if text is not None else [int(t) for t in request.prompt]
         stream = RequestStream(request, prompt, self.tokenizer, asyncio.get_running_loop(), self._outbox)
-        self._submit(stream)
+        if too_long:  # refused untokenized: tokenizing it would hold the caller's loop (and its memory) for long
+            stream.finish("error", f"prompt of {len(text or '')} characters: more than max_input_len "
+                                   f"{getattr(self, 'max_input_len', None)} tokens can hold")
+        else:
+            self._submit(stream)
         async for ev in stream.events(lambda: self.cancel(request.request_id)):
             yield ev
+
+    def _prompt_char_limit(self) -> Optional[int]:
+        """Characters past which a text prompt cannot fit max_input_len tokens (None: no limit known)."""
+        limit = getattr(self, "max_input_len", None)
+        if not limit:
+            return None
+        if self._chars_per_token is None:
+            self._chars_per_token = max_chars_per_token(self.tokenizer)
+        return limit * self._chars_per_token
 
     def _submit(self, stream: RequestStream) -> None:
         """Hand a new request to the driver (which may finish it at once, e.g. with an error)."""

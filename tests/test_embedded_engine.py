@@ -126,6 +126,20 @@ def test_prefix_reuse_stays_within_a_cache_salt(hf):
         eng.shutdown()
 
 
+def test_a_text_prompt_too_long_to_fit_is_refused_untokenized(engine, monkeypatch):
+    """Tokenizing 24 MB held the caller's event loop for 43 s (every other stream with it) and grew the process
+    by 5 GB, to be refused after: a text longer than max_input_len tokens can hold is refused before."""
+    from aimo_spec.chat import max_chars_per_token
+
+    limit = engine.max_input_len * max_chars_per_token(engine.tokenizer)
+
+    def no_tokenizing(*args, **kw):
+        raise AssertionError("tokenized")
+    monkeypatch.setattr(engine, "tokenize", no_tokenizing)
+    _, final = asyncio.run(collect(engine, Request("x" * (limit + 1), GREEDY)))
+    assert final.finish_reason == "error" and f"{limit + 1} characters" in final.error, final
+
+
 def test_stop_string_spanning_tokens(engine, hf):
     text = prompts(hf[1], 1)[0]
     _, full = asyncio.run(collect(engine, Request(text, SamplingParams(temperature=0, max_tokens=40))))

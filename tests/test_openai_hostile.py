@@ -341,8 +341,7 @@ def test_load_with_disconnects_accounts_for_every_request(served):
 def test_stop_lists_are_bounded(served):
     """Stop strings and stop ids are matched against every token of every sequence on the engine's thread: a
     request may not bring thousands of them (a 600k-string list stalled every client for minutes)."""
-    from server.openai.body import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
-    from server.openai.parsing import MAX_STOP_TOKEN_IDS
+    from aimo_spec.protocol import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 
     before = served.engine.stats.requests
     for extra in ({"stop": [f"s{i}" for i in range(MAX_STOP_STRINGS + 1)]}, {"stop": "x" * (MAX_STOP_STRING_CHARS + 1)},

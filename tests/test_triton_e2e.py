@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -217,7 +218,8 @@ def test_server_killed_mid_request_then_restarted(tiny_models, tmp_path):
         srv.kill()
 
 
-def stream_infer(server: Server, values: dict, timeout: float = 60.0) -> tuple[list, list[str]]:
+def stream_infer(server: Server, values: dict, timeout: float = 60.0,
+                 parameters: dict | None = None) -> tuple[list, list[str]]:
     """One decoupled request with exactly these inputs, as a plain tritonclient user sends it: the
     responses' outputs, and the error messages the server sent back."""
     import queue
@@ -231,7 +233,7 @@ def stream_infer(server: Server, values: dict, timeout: float = 60.0) -> tuple[l
     client = grpcclient.InferenceServerClient(server.url)
     client.start_stream(callback=lambda result, error: got.put((result, error)))
     try:
-        client.async_stream_infer("ensemble", inputs, enable_empty_final_response=True)
+        client.async_stream_infer("ensemble", inputs, enable_empty_final_response=True, parameters=parameters)
         outputs, errors = [], []
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -291,3 +293,61 @@ def test_nan_temperature_is_refused_by_name(server):
                                             "max_tokens": np.array([2], dtype=np.int32),
                                             "temperature": np.array([np.nan], dtype=np.float32)})
     assert errors and "'temperature'" in errors[0], (outputs, errors)
+
+
+def test_a_refused_request_ends_alone_and_the_engine_goes_on(engine, tiny_models):
+    """tritonclient hands a refusal over without its request: one refused request used to end every request
+    in flight (as a broken stream), and the next submission deadlocked. The server names the refused key;
+    what the server would refuse for its values is refused before it is sent."""
+    prompt = engine.tokenize(engine.chat_prompt("Count."))
+    long = SamplingParams(temperature=0.5, max_tokens=60, ignore_eos=True)
+
+    async def go():
+        valid = [asyncio.ensure_future(collect(engine, Request(prompt, replace(long, seed=i)))) for i in range(3)]
+        await asyncio.sleep(0.3)
+        too_long = await collect(engine, Request([5] * 5000, SamplingParams(max_tokens=4)))
+        not_sent = await collect(engine, Request(prompt, SamplingParams(temperature=150.0, max_tokens=4)))
+        return too_long[1], not_sent[1], [f for _, f in await asyncio.gather(*valid)]
+    too_long, not_sent, valid = run(go())
+    assert too_long.finish_reason == "error" and "max_input_len" in too_long.error, too_long
+    assert not_sent.finish_reason == "error" and "not sent to Triton" in not_sent.error, not_sent
+    assert [(f.finish_reason, len(f.token_ids)) for f in valid] == [("length", 60)] * 3, valid
+    _, after = run(collect(engine, Request(prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))))
+    assert after.finish_reason == "length"
+
+
+def test_one_clients_stop_never_ends_another_clients_request(server, tiny_models):
+    """The stop names the request's key: keys were the request ids, a per-process counter, so a second solver's
+    req-0 was the first one's and its stop ended both. Keys are random now."""
+    from server.triton.engine import TritonEngine
+
+    a, b = (TritonEngine(server.url, str(tiny_models["llama-tir"])) for _ in range(2))
+    try:
+        prompt = a.tokenize(a.chat_prompt("Count."))
+        params = SamplingParams(temperature=0.5, seed=3, max_tokens=80, ignore_eos=True)
+
+        async def go():
+            theirs = asyncio.ensure_future(collect(b, Request(prompt, params, request_id="req-0")))
+            mine = await cancel_after(a, Request(prompt, params, request_id="req-0"), 3)
+            return mine[-1], (await theirs)[1]
+        mine, theirs = run(go())
+        assert mine.finish_reason == "cancelled" and (theirs.finish_reason, len(theirs.token_ids)) == ("length", 80)
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+def test_bounds_of_the_embedded_inputs_are_refused_by_name(server):
+    """Stop words are matched against every token of every request (100k of them made another client 17x
+    slower); top_p 0 was taken as 1; a key already running would be overwritten, its stop lost."""
+    import numpy as np
+
+    base = {"text_input": np.array([b"hi"], dtype=object), "max_tokens": np.array([2], dtype=np.int32)}
+    for extra, name in (({"stop_words": np.array([b"w%d" % i for i in range(17)], dtype=object)}, "stop_words"),
+                        ({"stop_words": np.array([b"x" * 257], dtype=object)}, "stop_words"),
+                        ({"top_p": np.array([0.0], dtype=np.float32)}, "top_p"),
+                        ({"top_logprobs": np.array([21], dtype=np.int32)}, "top_logprobs")):
+        outputs, errors = stream_infer(server, {**base, **extra}, parameters={"request_key": "k" * 32})
+        assert errors and f"'{name}'" in errors[0] and "[request_key " + "k" * 32 + "]" in errors[0], errors
+    outputs, errors = stream_infer(server, base)
+    assert not errors and outputs

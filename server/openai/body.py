@@ -11,6 +11,7 @@ import math
 import re
 from typing import Any, Callable, Optional
 
+from aimo_spec.protocol import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 from server.openai.api_error import ApiError
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -56,10 +57,6 @@ def refuse_unsupported(body: dict, name: str, ok: Callable[[Any], bool], why: st
         raise ApiError(400, f"{name} is not supported by this server ({why}; got {quoted(v)})", name)
 
 
-# Stop strings are matched on every sequence's text at every step, on the engine's thread: their count and length
-# bound that work for everyone (OpenAI takes 4 strings; 600k strings stalled the engine for minutes)
-MAX_STOP_STRINGS = 16
-MAX_STOP_STRING_CHARS = 256
 
 
 def stop_strings(body: dict) -> tuple[str, ...]:

@@ -13,7 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, Optional
 
-from aimo_spec.protocol import SamplingParams
+from aimo_spec.chat import max_chars_per_token
+from aimo_spec.protocol import MAX_STOP_TOKEN_IDS, SamplingParams
 from server.openai.api_error import ApiError
 from server.openai.body import flag_field, number_field, parse_body, quoted, refuse_unsupported, stop_strings
 from server.openai.job import Job
@@ -23,7 +24,6 @@ MAX_N = 128
 # completions one request may ask for (prompts x n): each is a request in the engine's queue, and one body
 # of a thousand prompts at n=128 would otherwise queue 128k of them ahead of every other client
 MAX_CHOICES = 4096
-MAX_STOP_TOKEN_IDS = 128  # besides the model's end ids; each is compared with every token generated
 MAX_CACHE_SALT_CHARS = 256  # a tenant's secret (128 random bits are 32 hex digits), not a payload
 SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)  # what a torch generator's seed takes; choice i of n gets seed + i
 CHAT_ROLES = ("system", "developer", "user", "assistant")  # developer is OpenAI's newer name for system
@@ -39,11 +39,7 @@ class RequestParser:
         self.vocab = len(self.tokenizer)
         self.max_input_len: Optional[int] = getattr(engine, "max_input_len", None)
         self.max_seq_len: Optional[int] = getattr(engine, "max_seq_len", None)
-        # no token spans more characters than the longest vocabulary entry (byte-level and sentencepiece
-        # vocabularies hold at least one character per byte); 4x covers normalisers that merge characters.
-        # A text longer than max_input_len tokens of that size is refused before it is tokenized.
-        vocab = self.tokenizer.get_vocab() if hasattr(self.tokenizer, "get_vocab") else {}
-        self.max_chars_per_token = 4 * max((len(t) for t in vocab), default=64)
+        self.max_chars_per_token = max_chars_per_token(self.tokenizer)  # a longer text is refused untokenized
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="openai-parse")
 
     async def parse(self, raw: bytes, chat: bool) -> "Job":

@@ -6,7 +6,9 @@ Serves the `ensemble` interface (server/triton/interface.py) in decoupled (strea
 async generator, so many requests share one in-flight batch. The model is loaded before it is bound:
 Triton's readiness endpoint says ready only once the engine can serve. A request with parameter
 `stop: true` ends the running request of the same `request_key` (its stream ends with finish_reason
-'cancelled'). The engine runs with the serving settings it is given (the program passes the recipe's,
+'cancelled'); a key already running is refused (a client's keys must not collide with another's: the solver's
+are random), and a refusal names the input and the request's key, so a client on a shared stream can tell
+which of its requests it ends. The engine runs with the serving settings it is given (the program passes the recipe's,
 resolved by `serving_settings`, or the defaults). Runs in the Triton environment (.venv-triton:
 PyTriton needs numpy<2).
 """
@@ -19,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, AsyncIterator, Optional
 
+from aimo_spec.protocol import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 from aimo_spec.recipe import ServingSpec
 from server.triton.interface import INPUTS, KEY_PARAMETER, MODEL, OUTPUTS, STOP_PARAMETER
 
@@ -52,6 +55,9 @@ def _text(v: Any) -> str:
     return v.decode("utf-8", errors="replace") if isinstance(v, bytes) else str(v)
 
 
+MAX_TOP_LOGPROBS = 20  # as OpenAI's API: each is a (token, logprob) pair per generated token
+
+
 class Servable:
     """The infer callable: one engine, a registry of running requests by key for the stop signal."""
 
@@ -70,23 +76,36 @@ class Servable:
         if max_tokens < 1:
             raise BadRequest(f"input 'max_tokens' must be >= 1 (got {max_tokens})")
         ids = req.data.get("input_ids")
+        limit = getattr(self.engine, "max_input_len", None)
+        if ids is not None and limit and np.asarray(ids).size > limit:
+            raise BadRequest(f"input 'input_ids' holds {np.asarray(ids).size} tokens, over max_input_len {limit}")
         prompt: Any = ([int(i) for i in np.asarray(ids).reshape(-1)] if ids is not None and np.asarray(ids).size
                        else text)
         if not prompt:
             raise BadRequest("input 'text_input' is empty (and no input_ids were given)")
         stops = (tuple(_text(s) for s in np.asarray(req.data["stop_words"]).reshape(-1)) if "stop_words" in req.data
                  else ())
+        stops = tuple(s for s in stops if s)
+        if len(stops) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_STRING_CHARS for s in stops):
+            raise BadRequest(f"input 'stop_words': at most {MAX_STOP_STRINGS} of at most {MAX_STOP_STRING_CHARS} "
+                             f"characters (got {len(stops)}, the longest {max(map(len, stops))}): each is matched "
+                             "against every token of every request")
         end_id = _scalar(req, "end_id")
-        temperature, top_p = float(_scalar(req, "temperature", 0.0)), float(_scalar(req, "top_p", 1.0) or 1.0)
-        for name, value, lo, hi in (("temperature", temperature, 0.0, 100.0), ("top_p", top_p, 0.0, 1.0)):
-            if not lo <= value <= hi:  # NaN fails both comparisons
-                raise BadRequest(f"input '{name}' must be in [{lo}, {hi}] (got {value})")
+        temperature, top_p = float(_scalar(req, "temperature", 0.0)), float(_scalar(req, "top_p", 1.0))
+        if not 0.0 <= temperature <= 100.0:  # NaN fails both comparisons
+            raise BadRequest(f"input 'temperature' must be in [0, 100] (got {temperature})")
+        if not 0.0 < top_p <= 1.0:
+            raise BadRequest(f"input 'top_p' must be in (0, 1] (got {top_p})")
+        top_k, top_logprobs = int(_scalar(req, "top_k", 0)), int(_scalar(req, "top_logprobs", 0))
+        if top_k < 0:
+            raise BadRequest(f"input 'top_k' must be >= 0 (got {top_k})")
+        if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+            raise BadRequest(f"input 'top_logprobs' must be in [0, {MAX_TOP_LOGPROBS}] (got {top_logprobs})")
         params = SamplingParams(
-            temperature=temperature, top_p=top_p,
-            top_k=int(_scalar(req, "top_k", 0)), seed=_scalar(req, "seed"),
-            max_tokens=max_tokens, stop=tuple(s for s in stops if s),
+            temperature=temperature, top_p=top_p, top_k=top_k, seed=_scalar(req, "seed"),
+            max_tokens=max_tokens, stop=stops,
             stop_token_ids=(int(end_id),) if end_id is not None and end_id >= 0 else (),
-            top_logprobs=int(_scalar(req, "top_logprobs", 0)))
+            top_logprobs=top_logprobs)
         return Request(prompt, params)
 
     async def __call__(self, requests: list) -> AsyncIterator[list[dict]]:
@@ -104,7 +123,12 @@ class Servable:
             yield [{"text_output": np.array([b""], dtype=object),
                     "finish_reason": np.array([b"stop_sent"], dtype=object)}]
             return
-        request = self.request_from(req)
+        try:
+            if key in self.running:
+                raise BadRequest(f"parameter '{KEY_PARAMETER}' names a request still running (keys must be unique)")
+            request = self.request_from(req)
+        except BadRequest as e:
+            raise BadRequest(f"{e} [{KEY_PARAMETER} {key}]" if key else str(e)) from None
         stream = bool(_scalar(req, "stream", True))
         if key:
             self.running[key] = request.request_id

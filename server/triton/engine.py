@@ -13,14 +13,20 @@ the stop signal the deployment honours, and the request always ends with one `Fi
   the executor's cancelRequest.
 If the stream breaks (the server
 died or restarted), every request in flight ends with an error that says so, and the next request
-reconnects.
+reconnects. A request the server refuses ends alone: tritonclient hands such an error over without its
+request, so the embedded deployment names the request's key in it, and otherwise the requests not yet
+answered are the candidates (each is stopped and ends with the error); what the interface's types or
+the embedded server's ranges refuse is refused here, before it is sent. Request keys are random: a
+key is what a stop names, so another client must neither guess nor reuse it.
 """
 
 from __future__ import annotations
 
+import re
 import threading
 import time
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from aimo_spec.chat import load_tokenizer
@@ -38,6 +44,11 @@ from server.triton.interface import (
 )
 
 CANCEL_GRACE_SECONDS = 5.0
+SHUTDOWN_GRACE_SECONDS = 2.0  # for the server to confirm the stops `shutdown` sends
+KEY_IN_ERROR = re.compile(rf"\[{KEY_PARAMETER} ([0-9a-f]{{32}})\]")  # the embedded server names the refused key
+MAX_TEMPERATURE = 100.0  # the embedded server's bound (tensorrtllm_backend's executor takes any)
+MAX_TOP_LOGPROBS = 20  # the embedded server's bound
+INT32_MAX = 2**31 - 1  # max_tokens and top_k travel as INT32: larger is the same as the most
 
 
 def infer_inputs(values: dict[str, Any], fields: tuple[Field, ...] = INPUTS) -> list:
@@ -69,8 +80,11 @@ class _Pending:
     """A request on the gRPC stream: its stream plus the stop signal's state."""
 
     stream: RequestStream
+    key: str = field(default_factory=lambda: uuid.uuid4().hex)
+    answered: bool = False  # a response came: a refusal without a key is not this request's
     stop_sent: Optional[float] = None
     end_reason: FinishReason = "cancelled"
+    end_error: str = ""  # the error its stop ends it with (shutdown)
 
     @property
     def done(self) -> bool:
@@ -120,32 +134,33 @@ class TritonEngine(EngineBase):
         self._client = client
 
     def _on_response(self, result: Any, error: Any) -> None:
-        """tritonclient's stream thread: route one response (or a stream error) to its request."""
+        """tritonclient's stream thread: route one response, a refusal or a stream error to its requests."""
         if error is not None:
-            rid = None
-            try:
-                rid = result.get_response().id if result is not None else None
-            except Exception:  # noqa: BLE001
-                pass
             with self._lock:
-                victims = [self._pending[rid]] if rid in self._pending else list(self._pending.values())
-                if rid is None:  # the stream itself broke: drop it, the next request reconnects
-                    self._drop_client()
-                for p in victims:
-                    self._finish(p, "error", error=f"Triton stream failed ({self.url}): {error}")
+                if getattr(error, "status", lambda: None)() is not None:  # gRPC's own status: the stream broke
+                    self._drop_client()  # the next request reconnects
+                    for p in list(self._pending.values()):
+                        self._finish(p, "error", error=f"Triton stream failed ({self.url}): {error}")
+                    return
+                message = str(getattr(error, "message", lambda: error)()).strip().splitlines()
+                said = next((line for line in reversed(message) if line.strip()), "refused")
+                for p in self._refused(str(error)):
+                    self._send_stop(p, "error")
+                    self._finish(p, "error", error=f"Triton refused the request ({self.url}): {said}")
             return
         resp = result.get_response()
         with self._lock:
             p = self._pending.get(resp.id)
             if p is None or p.done:
                 return
+            p.answered = True
             final = resp.parameters.get("triton_final_response")
             is_final = bool(final.bool_param) if final is not None else False
             if not is_final or resp.outputs:
                 self._on_output(p, result)
             if is_final and not p.done:  # a server that sends no finish_reason (tensorrtllm_backend)
                 ran_out = len(p.stream.generated) >= p.stream.params.max_tokens
-                self._finish(p, p.end_reason if p.stop_sent else ("length" if ran_out else "stop"))
+                self._finish(p, p.end_reason if p.stop_sent else ("length" if ran_out else "stop"), p.end_error)
 
     def _on_output(self, p: _Pending, result: Any) -> None:
         if self._direct:
@@ -175,7 +190,8 @@ class TritonEngine(EngineBase):
             r = (r.decode() if isinstance(r, bytes) else str(r)).strip()
             head, _, err = r.partition(": ")
             if head in FINISH_REASONS:
-                self._finish(p, p.end_reason if head == "cancelled" and p.stop_sent else head, error=err)
+                stopped = head == "cancelled" and p.stop_sent
+                self._finish(p, p.end_reason if stopped else head, error=p.end_error if stopped else err)
 
     def _on_trtllm_output(self, p: _Pending, result: Any) -> None:
         """tensorrt_llm's streamed response: output_ids holds the new tokens, output_log_probs all so far."""
@@ -203,7 +219,7 @@ class TritonEngine(EngineBase):
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos
         values: dict[str, Any] = {
             "input_ids": np.array([prompt], dtype=np.int32), "input_lengths": one(len(prompt), np.int32),
-            "request_output_len": one(p.max_tokens, np.int32), "streaming": one(True, bool),
+            "request_output_len": one(min(p.max_tokens, INT32_MAX), np.int32), "streaming": one(True, bool),
             "end_id": one(-1 if p.ignore_eos else eos, np.int32), "pad_id": one(pad, np.int32),
         }
         if p.temperature == 0:  # greedy, as the trtllm backend asks the executor
@@ -211,9 +227,9 @@ class TritonEngine(EngineBase):
         else:
             values.update(temperature=one(p.temperature, np.float32), runtime_top_p=one(p.top_p, np.float32))
             if p.top_k > 0:
-                values["runtime_top_k"] = one(p.top_k, np.int32)
+                values["runtime_top_k"] = one(min(p.top_k, INT32_MAX), np.int32)
         if p.seed is not None:
-            values["seed"] = one(p.seed, np.uint64)
+            values["seed"] = one(p.seed % 2**64, np.uint64)  # a negative seed as the same 64 bits
         if p.top_logprobs:
             values["return_log_probs"] = one(True, bool)
         return infer_inputs(values, TRTLLM_INPUTS)
@@ -225,12 +241,13 @@ class TritonEngine(EngineBase):
             return self._trtllm_inputs(prompt, p)
         values: dict[str, Any] = {
             "text_input": np.array([self.tokenizer.decode(prompt, skip_special_tokens=False).encode()], dtype=object),
-            "max_tokens": np.array([p.max_tokens], dtype=np.int32),
+            "max_tokens": np.array([min(p.max_tokens, INT32_MAX)], dtype=np.int32),
             "stream": np.array([True]), "temperature": np.array([p.temperature], dtype=np.float32),
-            "top_p": np.array([p.top_p], dtype=np.float32), "top_k": np.array([p.top_k], dtype=np.int32),
+            "top_p": np.array([p.top_p], dtype=np.float32),
+            "top_k": np.array([min(p.top_k, INT32_MAX)], dtype=np.int32),
         }
         if p.seed is not None:
-            values["seed"] = np.array([p.seed], dtype=np.uint64)
+            values["seed"] = np.array([p.seed % 2**64], dtype=np.uint64)  # a negative seed as the same 64 bits
         if p.ignore_eos:
             values["end_id"] = np.array([-1], dtype=np.int32)
         if self._exact_ids:
@@ -242,21 +259,37 @@ class TritonEngine(EngineBase):
     def _submit(self, stream: RequestStream) -> None:
         p = _Pending(stream)
         request = stream.request
+        with self._lock:
+            broken, self._broken = self._broken, []
+        for old in broken:  # outside the lock: its stream thread may be waiting on it to deliver a response
+            try:
+                old.stop_stream(cancel_requests=True)
+                old.close()
+            except Exception:  # noqa: BLE001 - already broken
+                pass
+        wrong = _refused_here(request.params)
+        if wrong:
+            p.stream.finish("error", f"not sent to Triton: {wrong}")
+            return
         try:
             with self._lock:
                 if self._client is None:
-                    for old in self._broken:
-                        try:
-                            old.close()
-                        except Exception:  # noqa: BLE001 - already broken
-                            pass
-                    self._broken.clear()
                     self._connect()
+        except Exception as e:  # noqa: BLE001 - a dead server is an error of this request, said plainly
+            with self._lock:
+                self._drop_client()
+                self._finish(p, "error", error=f"Triton at {self.url} unreachable: {e}")
+            return
+        try:
+            inputs = self._inputs(stream.prompt, request.params)
+        except Exception as e:  # noqa: BLE001 - this request's values, not the connection
+            p.stream.finish("error", f"not sent to Triton: its inputs could not be encoded: {e}")
+            return
+        try:
+            with self._lock:
                 self._pending[request.request_id] = p
-                self._client.async_stream_infer(self._target, self._inputs(stream.prompt, request.params),
-                                                request_id=request.request_id,
-                                                parameters=(None if self._direct
-                                                            else {KEY_PARAMETER: request.request_id}),
+                self._client.async_stream_infer(self._target, inputs, request_id=request.request_id,
+                                                parameters=None if self._direct else {KEY_PARAMETER: p.key},
                                                 enable_empty_final_response=True)
         except Exception as e:  # noqa: BLE001 - a dead server is an error of this request, said plainly
             with self._lock:
@@ -270,8 +303,19 @@ class TritonEngine(EngineBase):
                 self._send_stop(p, "cancelled")
 
     def shutdown(self) -> None:
+        """Stop what is in flight on the server too (it would generate on to max_tokens: Triton passes no
+        disconnect to a Python model), wait briefly for it to confirm, then close the stream."""
         if self._closed:
             return
+        with self._lock:
+            for p in list(self._pending.values()):
+                self._send_stop(p, "error", "engine closed")
+        deadline = time.monotonic() + SHUTDOWN_GRACE_SECONDS
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._pending or self._client is None:
+                    break
+            time.sleep(0.02)
         self._closed = True
         with self._lock:
             for p in list(self._pending.values()):
@@ -285,6 +329,14 @@ class TritonEngine(EngineBase):
                 pass
 
     # ---- internals (lock held)
+    def _refused(self, message: str) -> list[_Pending]:
+        """The requests a refusal without its request is about: the one whose key it names (the embedded
+        server's), else those not answered yet (a request the server refuses gets no other response)."""
+        named = KEY_IN_ERROR.search(message)
+        if named:
+            return [p for p in self._pending.values() if p.key == named.group(1)]
+        return [p for p in self._pending.values() if not p.answered]
+
     def _drop_client(self) -> None:
         """Forget a broken connection; it is closed later from a caller's thread (closing it from the
         stream's own thread, where its error arrives, would join that thread)."""
@@ -292,10 +344,10 @@ class TritonEngine(EngineBase):
             self._broken.append(self._client)
         self._client = None
 
-    def _send_stop(self, p: _Pending, reason: str) -> None:
+    def _send_stop(self, p: _Pending, reason: FinishReason, error: str = "") -> None:
         if p.stop_sent is not None:
             return
-        p.stop_sent, p.end_reason = time.monotonic(), reason
+        p.stop_sent, p.end_reason, p.end_error = time.monotonic(), reason, error
         if self._client is None:
             return
         import numpy as np
@@ -311,7 +363,7 @@ class TritonEngine(EngineBase):
             inputs = infer_inputs({"text_input": np.array([b""], dtype=object),
                                    "max_tokens": np.array([1], dtype=np.int32)})
             self._client.async_stream_infer(self.model, inputs, request_id=f"{p.stream.request_id}/stop",
-                                            parameters={KEY_PARAMETER: p.stream.request_id, STOP_PARAMETER: True})
+                                            parameters={KEY_PARAMETER: p.key, STOP_PARAMETER: True})
         except Exception:  # noqa: BLE001 - the grace timer finalises it
             pass
 
@@ -327,10 +379,20 @@ class TritonEngine(EngineBase):
                         self._send_stop(p, "timeout")
                         self._finish(p, "timeout")
                     elif p.stop_sent is not None and now - p.stop_sent > CANCEL_GRACE_SECONDS:
-                        self._finish(p, p.end_reason)
+                        self._finish(p, p.end_reason, p.end_error)
 
     def _finish(self, p: _Pending, reason: FinishReason, error: str = "") -> None:
         if p.done:
             return
         self._pending.pop(p.stream.request_id, None)
         p.stream.finish(reason, error)
+
+
+def _refused_here(p: SamplingParams) -> str:
+    """Why the embedded server would refuse `p` ('' when it would not), said before sending: a refusal from
+    the server comes back without its request."""
+    if p.temperature > MAX_TEMPERATURE:
+        return f"temperature {p.temperature} is over {MAX_TEMPERATURE}"
+    if p.top_logprobs > MAX_TOP_LOGPROBS:
+        return f"top_logprobs {p.top_logprobs} is over {MAX_TOP_LOGPROBS}"
+    return ""
