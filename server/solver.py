@@ -40,6 +40,7 @@ from server.tir import SampleTrace, TIRClient
 
 FINISHED = ("stop", "length")  # the finish reasons of a sample that ended on its own
 CANCEL_GRACE = 30.0  # seconds a cancelled sample may take to report its end
+LATE_CANCEL_GRACE = 5.0  # ... once the problem's deadline has passed (the run's answer deadline is near)
 TOOL_FAULT_SHARE = 0.25  # this share of samples hit by sandbox faults: the problem lost its tools
 MIN_RETRY_SECONDS = 5.0  # a retry is worth it only with this much of the problem's time left
 MAX_TOOL_RETRIES = 1  # fresh tries of a problem that lost its tools (each needs a working sandbox)
@@ -160,6 +161,34 @@ def with_samples(spec: SolverSpec, samples: int) -> SolverSpec:
                    enough_finished=min(spec.enough_finished, samples))
 
 
+def cancel_grace(deadline: Optional[float], now: float) -> float:
+    """How long cancelled samples may take to report their end: CANCEL_GRACE, but no longer than the problem
+    has left, and LATE_CANCEL_GRACE once its deadline has passed (an engine that ignored deadline and cancel
+    cost every problem 35 s past its time, 29 minutes over a 50-problem run)."""
+    if deadline is None:
+        return CANCEL_GRACE
+    return min(CANCEL_GRACE, max(LATE_CANCEL_GRACE, deadline - now))
+
+
+PROBLEM_SLOT = "\ue000problem\ue000"  # private-use characters: no template or problem writes them
+
+
+def prompt_ids(engine: Engine, problem: str, system_prompt: Optional[str] = None) -> list[int]:
+    """The chat prompt's ids with the problem taken literally: a problem spelling '<|im_end|>' or
+    '<|im_start|>assistant' would otherwise close the user's turn and forge the assistant's (a problem comes
+    from outside, like a tool's output: `encode_literal`). The template is rendered around a slot for it and
+    the parts tokenized apart; a problem that spells no added token, or a template that does not insert it
+    as written, is tokenized with the rendered prompt as before."""
+    text = engine.chat_prompt(problem, system_prompt)
+    literal = engine.tokenize(problem, literal=True)
+    if literal == engine.tokenize(problem):
+        return engine.tokenize(text)
+    head, found, tail = engine.chat_prompt(PROBLEM_SLOT, system_prompt).partition(PROBLEM_SLOT)
+    if not found or PROBLEM_SLOT in tail or head + problem + tail != text:
+        return engine.tokenize(text)
+    return engine.tokenize(head) + literal + engine.tokenize(tail)
+
+
 class Solver:
     def __init__(self, engine: Engine, client: TIRClient, config: SolverSpec = SolverSpec(),
                  system_prompt: Optional[str] = None):
@@ -168,7 +197,7 @@ class Solver:
     async def solve(self, problem_id: str, problem: str, deadline: Optional[float] = None,
                     expected: Optional[int] = None) -> SolveResult:
         t0 = time.monotonic()
-        prompt = self.engine.tokenize(self.engine.chat_prompt(problem, self.system_prompt))
+        prompt = prompt_ids(self.engine, problem, self.system_prompt)
         ended, rule = await self._attempt(problem_id, problem, prompt, deadline, 0)
         attempts, lost = 1, tool_failure(ended)
         why = lost
@@ -240,10 +269,11 @@ class Solver:
                 rule = hit
         if pending:
             cancel.set()
-            done, stuck = await asyncio.wait(pending, timeout=CANCEL_GRACE)
+            grace = cancel_grace(deadline, time.monotonic())
+            done, stuck = await asyncio.wait(pending, timeout=grace)
             ended.extend(sorted((t.result() for t in done), key=lambda t: t.seconds))
             for task in stuck:  # the engine did not answer the cancel: drop the sample, keep going
                 task.cancel()
                 ended.append(SampleTrace(sample=first + tasks[task], seed=base_seed + tasks[task], finish="error",
-                                         error=f"no final message {CANCEL_GRACE:.0f}s after cancel"))
+                                         error=f"no final message {grace:.0f}s after cancel"))
         return ended, rule

@@ -255,3 +255,32 @@ def test_an_engine_that_dies_and_cannot_be_restarted_fails_loudly(tmp_path):
     with pytest.raises(EngineStartError, match="illegal memory access"):
         p.predict(*series("q2", "x"))
     p.close()
+
+
+def test_with_the_runs_time_spent_a_problem_is_answered_at_once(tmp_path):
+    """Samples started with no time left only overrun the run (35 s a problem with an engine that ignored its
+    deadline): the default answer comes back without asking the engine, and the problem still counts as done."""
+    logs = []
+    p, made = scripted(tmp_path, logs=logs)
+    p.predict(*series("q1", "first"))
+    asked = len(made[0].finals)
+    p.budget.allowance = lambda: 0.0
+    df = p.predict(*series("q2", "second"))
+    assert df["answer"][0] == p.clamp(p.serving.solver.default_answer) and len(made[0].finals) == asked
+    assert p.budget.done == 2 and any("q2: no time left in the run" in m for m in logs)
+    p.close()
+
+
+def test_cancelled_samples_get_less_grace_once_the_deadline_has_passed():
+    from server.solver import CANCEL_GRACE, LATE_CANCEL_GRACE, cancel_grace
+
+    assert cancel_grace(None, 100.0) == CANCEL_GRACE and cancel_grace(1000.0, 100.0) == CANCEL_GRACE
+    assert cancel_grace(110.0, 100.0) == 10.0  # no longer than the problem has left ...
+    assert cancel_grace(90.0, 100.0) == LATE_CANCEL_GRACE < CANCEL_GRACE  # ... and only a little past it
+
+
+def test_a_binary_problem_column_is_read_as_its_text():
+    from server.kaggle.rows import read_rows
+
+    rows = read_rows((pl.Series("id", ["a", "b"]), pl.Series("problem", [b"What is 2 + 2?", b"\xff1 + 1"])))
+    assert rows.texts == ["What is 2 + 2?", "\ufffd1 + 1"]

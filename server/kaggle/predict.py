@@ -165,7 +165,9 @@ class Predictor:
         if not self.max_input_len or not hasattr(self.engine, "tokenize") or not hasattr(self.engine, "chat_prompt"):
             return None
         try:
-            n = len(self.engine.tokenize(self.engine.chat_prompt(text, self.serving.system_prompt)))
+            from server.solver import prompt_ids
+
+            n = len(prompt_ids(self.engine, text, self.serving.system_prompt))
         except Exception as e:  # noqa: BLE001 - cannot count here: the engine itself will say
             self.log(f"could not count the prompt's tokens ({type(e).__name__}: {e}); asking the engine")
             return None
@@ -188,6 +190,9 @@ class Predictor:
         deadline = time.monotonic() + (deadline_budget - self.budget.clock())
         answer, attempt = default, 0
         try:
+            if allowance <= 0:  # the run's time is spent: samples started now would only overrun it
+                self.log(f"{pid}: no time left in the run; answering {default}")
+                return self.clamp(default)
             while True:
                 attempt += 1
                 try:

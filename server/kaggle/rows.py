@@ -42,6 +42,8 @@ def _values(x: Any) -> list[Any]:
 def _text(value: Any) -> Optional[str]:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return None
+    if isinstance(value, (bytes, bytearray)):  # a binary column: its text, not its repr ("b'...'")
+        value = bytes(value).decode("utf-8", errors="replace")
     text = value if isinstance(value, str) else str(value)
     return text if text.strip() else None
 
