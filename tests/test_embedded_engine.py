@@ -438,3 +438,19 @@ def test_overlap_is_refused_where_it_cannot_run(hf):
     with pytest.raises(ValueError, match="overlap"):
         EmbeddedEngine(*hf, max_batch_size=2, max_seq_len=64, threads=1, device="cpu", deterministic=True,
                        overlap=True)
+
+
+def test_a_plain_checkpoint_serves_within_the_positions_it_was_made_for(tiny_models, tmp_path):
+    """A plain HF folder got max_seq_len 4096 whatever its config: a 1024-position model generated 4078 tokens."""
+    import json
+    import shutil
+
+    from server.embedded.settings import PLAIN_MAX_SEQ_LEN, engine_options
+
+    folder = tmp_path / "plain"
+    shutil.copytree(tiny_models["llama-tir"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    for positions, expected in ((1024, 1024), (PLAIN_MAX_SEQ_LEN * 8, None)):
+        (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": positions}))
+        _, kw = engine_options(folder, {})
+        assert kw.get("max_seq_len") == expected

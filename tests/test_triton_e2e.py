@@ -351,3 +351,16 @@ def test_bounds_of_the_embedded_inputs_are_refused_by_name(server):
         assert errors and f"'{name}'" in errors[0] and "[request_key " + "k" * 32 + "]" in errors[0], errors
     outputs, errors = stream_infer(server, base)
     assert not errors and outputs
+
+
+def test_logprobs_come_back_without_streaming_too(server):
+    import numpy as np
+
+    outputs, errors = stream_infer(server, {"text_input": np.array([b"Count:"], dtype=object),
+                                            "max_tokens": np.array([4], dtype=np.int32),
+                                            "top_logprobs": np.array([2], dtype=np.int32),
+                                            "stream": np.array([False])})
+    assert not errors, errors
+    tops = [o.as_numpy("logprobs") for o in outputs if o.as_numpy("logprobs") is not None]
+    ids = [t for o in outputs if o.as_numpy("token_ids") is not None for t in o.as_numpy("token_ids")]
+    assert len(tops) == 1 and tops[0].shape == (2 * len(ids), 2) and len(ids) >= 1, (tops, ids)

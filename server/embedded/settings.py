@@ -26,6 +26,8 @@ from aimo_spec.jsonfile import read_json
 from aimo_spec.layout import ENGINE_FILE, GGUF_FILE
 from aimo_spec.recipe import Recipe, ServingSpec
 
+PLAIN_MAX_SEQ_LEN = 4096  # EmbeddedEngine's default, for a plain checkpoint whose config allows more
+
 if TYPE_CHECKING:
     import torch
 
@@ -145,6 +147,11 @@ def engine_options(engine_dir: str | Path, overrides: dict[str, Any]) -> tuple[P
             kw.update(speculation(engine_dir, spec, mode, max_batch))
     elif (engine_dir / "config.json").is_file() or (engine_dir / GGUF_FILE).is_file():
         model_dir = engine_dir  # a plain checkpoint: no drafter, and EmbeddedEngine's defaults for the limits
+        if (engine_dir / "config.json").is_file():  # ... within the positions the model was made for
+            config = read_json(engine_dir / "config.json", "", "fix or replace the checkpoint's config.json")
+            positions = config.get("max_position_embeddings") if isinstance(config, dict) else None
+            if isinstance(positions, int) and not isinstance(positions, bool) and 1 < positions < PLAIN_MAX_SEQ_LEN:
+                kw["max_seq_len"] = positions
     else:
         raise FileNotFoundError(f"{engine_dir}: neither an embedded engine (engine.json) nor an HF checkpoint "
                                 f"(config.json) nor a GGUF model ({GGUF_FILE}); run `make engine` first")

@@ -133,13 +133,14 @@ class Servable:
         if key:
             self.running[key] = request.request_id
         self.requests += 1
-        text, ids = [], []
+        text, ids, tops = [], [], []
         try:
             async for ev in self.engine.generate(request):
                 if isinstance(ev, Delta):
-                    if not stream:
+                    if not stream:  # all in the final response, logprobs too
                         text.append(ev.text)
                         ids.extend(ev.token_ids)
+                        tops.extend(ev.logprobs or ())
                         continue
                     out = {"text_output": np.array([ev.text.encode()], dtype=object),
                            "token_ids": np.array(ev.token_ids, dtype=np.int32)}
@@ -150,9 +151,12 @@ class Servable:
                 elif isinstance(ev, Final):
                     tail = "".join(text) if not stream else ""
                     reason = ev.finish_reason + (f": {ev.error}" if ev.error else "")
-                    yield [{"text_output": np.array([tail.encode()], dtype=object),
+                    last = {"text_output": np.array([tail.encode()], dtype=object),
                             "token_ids": np.array(ids, dtype=np.int32),
-                            "finish_reason": np.array([reason.encode()], dtype=object)}]
+                            "finish_reason": np.array([reason.encode()], dtype=object)}
+                    if tops:
+                        last["logprobs"] = np.array([p for top in tops for p in top], dtype=np.float32).reshape(-1, 2)
+                    yield [last]
         finally:
             if key and self.running.get(key) == request.request_id:
                 del self.running[key]
