@@ -20,7 +20,9 @@ import yaml
 
 from aimo_spec.layout import is_gguf
 from aimo_spec.schema import (  # noqa: F401 (re-exported: callers import the shapes from here)
+    ANSWER_MARGIN_SECONDS,
     ANSWER_RANGES,
+    ANSWER_TIMEOUTS,
     BudgetSpec,
     BuildSpec,
     CalibrationSpec,
@@ -267,6 +269,14 @@ def _check(recipe: Recipe, where: str, check_paths: bool) -> None:
     if b.low_seconds > b.high_seconds:
         fail("serving.budget.low_seconds", f"must be <= high_seconds ({b.high_seconds})", b.low_seconds)
     k = recipe.kaggle
+    key, longest = {"aimo2": ("max_extra_seconds", b.base_seconds + b.max_extra_seconds),
+                    "aimo3": ("high_seconds", b.high_seconds)}.get(b.policy, ("base_seconds", b.base_seconds))
+    limit = ANSWER_TIMEOUTS[k.competition] - ANSWER_MARGIN_SECONDS
+    if longest > limit:  # the gateway would give up on the answer while the problem still runs
+        fail(f"serving.budget.{key}", f"lets a problem run {longest:.0f} s, but {k.competition}'s gateway waits "
+                                      f"{ANSWER_TIMEOUTS[k.competition]} s for an answer: keep it under {limit} s "
+                                      f"(a problem takes up to {ANSWER_MARGIN_SECONDS} s past its time to stop)",
+             getattr(b, key))
     if k.answer_range is not None and k.answer_range < 2:
         fail("kaggle.answer_range", "must be >= 2 or null (null: the competition's range)", k.answer_range)
 

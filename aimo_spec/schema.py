@@ -262,6 +262,10 @@ class ServingSpec:
 
 # answers are reported modulo this per competition: AIMO-2 asked for 0-999, AIMO-3 for 0-99999
 ANSWER_RANGES = {"aimo3": 100000, "aimo2": 1000}
+# seconds the competition's gateway waits for each answer after the first call (AIMO-2: 30 min, AIMO-3: 9 h)
+ANSWER_TIMEOUTS = {"aimo3": 9 * 3600, "aimo2": 30 * 60}
+# what a problem may take past its deadline (the solver's wait and its cancelled samples' grace), and more
+ANSWER_MARGIN_SECONDS = 30
 
 
 @dataclass(frozen=True)

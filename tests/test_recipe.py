@@ -90,6 +90,10 @@ def test_serving_defaults_are_the_anchors():
     (lambda d: d["sources"].update(cot={"kind": "gguf_package", "package": "no-such-pkg-zz", "file": "m.gguf"}),
      "sources.cot.package", "'no-such-pkg-zz'"),
     (lambda d: d.update(kaggle={"answer_range": 1}), "kaggle.answer_range", "1"),
+    (lambda d: (d.update(kaggle={"competition": "aimo2"}), d.setdefault("serving", {}).setdefault("budget", {}).update(
+        policy="aimo2", base_seconds=1500, max_extra_seconds=290)), "serving.budget.max_extra_seconds", "290"),
+    (lambda d: d.setdefault("serving", {}).setdefault("budget", {}).update(policy="aimo3", high_seconds=40000),
+     "serving.budget.high_seconds", "40000"),
     (lambda d: d.update(kaggle={"competition": "aimo9"}), "kaggle.competition", "'aimo9'"),
 ])
 def test_bad_recipe_names_file_key_and_value(tmp_path, mutate, key, value):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from aimo_spec.recipe import ANSWER_RANGES
+from aimo_spec.recipe import ANSWER_RANGES, ANSWER_TIMEOUTS
 
 STARTUP_LIMIT_SECONDS = 15 * 60  # the server must be up this long after the notebook starts
 RERUN_ENV = "KAGGLE_IS_COMPETITION_RERUN"
@@ -25,10 +25,10 @@ class Competition:
 
 
 COMPETITIONS = {
-    "aimo3": Competition("aimo3", "kaggle_evaluation.aimo_3_inference_server", "AIMO3InferenceServer", 9 * 3600,
-                         ANSWER_RANGES["aimo3"]),
-    "aimo2": Competition("aimo2", "kaggle_evaluation.aimo_2_inference_server", "AIMO2InferenceServer", 30 * 60,
-                         ANSWER_RANGES["aimo2"]),
+    "aimo3": Competition("aimo3", "kaggle_evaluation.aimo_3_inference_server", "AIMO3InferenceServer",
+                         ANSWER_TIMEOUTS["aimo3"], ANSWER_RANGES["aimo3"]),
+    "aimo2": Competition("aimo2", "kaggle_evaluation.aimo_2_inference_server", "AIMO2InferenceServer",
+                         ANSWER_TIMEOUTS["aimo2"], ANSWER_RANGES["aimo2"]),
 }
 
 
