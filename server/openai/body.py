@@ -58,7 +58,6 @@ def refuse_unsupported(body: dict, name: str, ok: Callable[[Any], bool], why: st
 
 
 
-
 def stop_strings(body: dict) -> tuple[str, ...]:
     """`stop`: one string or a list of at most MAX_STOP_STRINGS, none empty or over MAX_STOP_STRING_CHARS."""
     v = body.get("stop")

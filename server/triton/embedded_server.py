@@ -23,7 +23,15 @@ from typing import Any, AsyncIterator, Optional
 
 from aimo_spec.protocol import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 from aimo_spec.recipe import ServingSpec
-from server.triton.interface import INPUTS, KEY_PARAMETER, MODEL, OUTPUTS, STOP_PARAMETER
+from server.triton.interface import (
+    INPUTS,
+    KEY_PARAMETER,
+    MAX_TEMPERATURE,
+    MAX_TOP_LOGPROBS,
+    MODEL,
+    OUTPUTS,
+    STOP_PARAMETER,
+)
 
 
 class BadRequest(ValueError):
@@ -55,9 +63,6 @@ def _text(v: Any) -> str:
     return v.decode("utf-8", errors="replace") if isinstance(v, bytes) else str(v)
 
 
-MAX_TOP_LOGPROBS = 20  # as OpenAI's API: each is a (token, logprob) pair per generated token
-
-
 class Servable:
     """The infer callable: one engine, a registry of running requests by key for the stop signal."""
 
@@ -75,12 +80,11 @@ class Servable:
         max_tokens = int(_required(req, "max_tokens"))
         if max_tokens < 1:
             raise BadRequest(f"input 'max_tokens' must be >= 1 (got {max_tokens})")
-        ids = req.data.get("input_ids")
+        ids = np.asarray(req.data["input_ids"]).reshape(-1) if "input_ids" in req.data else np.zeros(0)
         limit = getattr(self.engine, "max_input_len", None)
-        if ids is not None and limit and np.asarray(ids).size > limit:
-            raise BadRequest(f"input 'input_ids' holds {np.asarray(ids).size} tokens, over max_input_len {limit}")
-        prompt: Any = ([int(i) for i in np.asarray(ids).reshape(-1)] if ids is not None and np.asarray(ids).size
-                       else text)
+        if limit and ids.size > limit:
+            raise BadRequest(f"input 'input_ids' holds {ids.size} tokens, over max_input_len {limit}")
+        prompt: Any = [int(i) for i in ids] if ids.size else text
         if not prompt:
             raise BadRequest("input 'text_input' is empty (and no input_ids were given)")
         stops = (tuple(_text(s) for s in np.asarray(req.data["stop_words"]).reshape(-1)) if "stop_words" in req.data
@@ -92,8 +96,8 @@ class Servable:
                              "against every token of every request")
         end_id = _scalar(req, "end_id")
         temperature, top_p = float(_scalar(req, "temperature", 0.0)), float(_scalar(req, "top_p", 1.0))
-        if not 0.0 <= temperature <= 100.0:  # NaN fails both comparisons
-            raise BadRequest(f"input 'temperature' must be in [0, 100] (got {temperature})")
+        if not 0.0 <= temperature <= MAX_TEMPERATURE:  # NaN fails both comparisons
+            raise BadRequest(f"input 'temperature' must be in [0, {MAX_TEMPERATURE:g}] (got {temperature})")
         if not 0.0 < top_p <= 1.0:
             raise BadRequest(f"input 'top_p' must be in (0, 1] (got {top_p})")
         top_k, top_logprobs = int(_scalar(req, "top_k", 0)), int(_scalar(req, "top_logprobs", 0))

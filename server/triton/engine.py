@@ -35,6 +35,8 @@ from server.stream import EngineBase, RequestStream
 from server.triton.interface import (
     INPUTS,
     KEY_PARAMETER,
+    MAX_TEMPERATURE,
+    MAX_TOP_LOGPROBS,
     MODEL,
     STOP_PARAMETER,
     TRTLLM_INPUTS,
@@ -46,8 +48,6 @@ from server.triton.interface import (
 CANCEL_GRACE_SECONDS = 5.0
 SHUTDOWN_GRACE_SECONDS = 2.0  # for the server to confirm the stops `shutdown` sends
 KEY_IN_ERROR = re.compile(rf"\[{KEY_PARAMETER} ([0-9a-f]{{32}})\]")  # the embedded server names the refused key
-MAX_TEMPERATURE = 100.0  # the embedded server's bound (tensorrtllm_backend's executor takes any)
-MAX_TOP_LOGPROBS = 20  # the embedded server's bound
 INT32_MAX = 2**31 - 1  # max_tokens and top_k travel as INT32: larger is the same as the most
 
 

@@ -21,6 +21,10 @@ from dataclasses import dataclass
 MODEL = "ensemble"
 STOP_PARAMETER = "stop"
 KEY_PARAMETER = "request_key"
+# the embedded deployment's bounds, which the `triton` backend checks before sending (a refusal from the server
+# comes back without its request): top_logprobs as OpenAI's API (each a (token, logprob) pair per token)
+MAX_TEMPERATURE = 100.0
+MAX_TOP_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
