@@ -199,6 +199,37 @@ def _drop_privileges(uid):
         os.setresuid(uid, uid, uid)
 
 
+PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 4, 24, 47, 4
+LINUX_CAPABILITY_VERSION_3 = 0x20080522
+
+
+def _drop_capabilities():
+    """A cell still root after `_drop_privileges` (a harness that is not root maps only its own uid into the
+    user namespace, so cells stay its root) gives up every capability there: the bounding set (nothing comes
+    back through exec), the ambient set, then effective, permitted and inheritable. Without them the
+    worker's memory (/proc/1/mem; it is not dumpable) and its mounts are out of a cell's reach, as the uid
+    drop keeps them where the harness is root. Fails closed: a cell never runs with them."""
+    if os.geteuid() != 0:  # a uid drop cleared them
+        return
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    try:
+        for cap in range(64):
+            if _libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+                if ctypes.get_errno() == 22:  # EINVAL: past the kernel's last capability
+                    break
+                raise OSError(ctypes.get_errno(), f"prctl(PR_CAPBSET_DROP, {cap})")
+        _libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)  # EINVAL before Linux 4.3: none to clear
+        header = ctypes.create_string_buffer(struct.pack("Ii", LINUX_CAPABILITY_VERSION_3, 0))
+        data = ctypes.create_string_buffer(24)  # two (effective, permitted, inheritable) words, all zero
+        if _libc.capset(header, data) != 0:
+            raise OSError(ctypes.get_errno(), "capset")
+    except OSError as e:
+        os.write(2, f"sandbox: the cell's capabilities could not be dropped: {e}\n".encode())
+        os._exit(120)
+
+
 _snapshot = None  # fingerprint of the private folders right after they were last made fresh
 
 
@@ -487,6 +518,7 @@ def _forked_cell(req, base_globals, cfg, out_w, err_w):
         _drop_privileges(cfg.get("uid"))
         os.chdir(cfg["workdir"])
         _apply_limits(cfg)
+        _drop_capabilities()
         _confine_syscalls()
         _std_streams()
         status = _run_code(req["code"], dict(base_globals))
@@ -661,6 +693,8 @@ SYS_PIDFD_GETFD, SYS_CLONE3 = 438, 435
 # a 64-bit interpreter's audit arch and its numbers of unshare, setns, clone (flags in args[0]) and seccomp
 NATIVE_SYSCALLS = {"x86_64": (0xC000003E, 272, 308, 56, 317), "aarch64": (0xC00000B7, 97, 268, 220, 277),
                    "riscv64": (0xC00000F3, 97, 268, 220, 277)}
+# its numbers of ptrace, process_vm_readv and process_vm_writev: reading or writing another process
+TRACE_SYSCALLS = {"x86_64": (101, 310, 311), "aarch64": (117, 270, 271), "riscv64": (117, 270, 271)}
 
 
 def _abi():
@@ -678,7 +712,9 @@ def _syscall_filter(abi):
 
     Refused with EPERM: pidfd_getfd (copies a descriptor out of another thread's table: the session's channel
     thread), unshare, setns, and clone with a namespace flag (a cell in a user namespace of its own is root there:
-    mounts, every namespaced interface of the kernel opened to model code). clone3 answers ENOSYS, as in
+    mounts, every namespaced interface of the kernel opened to model code), ptrace and process_vm_readv/writev (a
+    cell run as its worker's uid, where the harness is not root, could otherwise drive the unfiltered worker
+    that holds the host's channel). clone3 answers ENOSYS, as in
     container runtimes: its flags sit in memory a filter cannot read, and glibc, seeing ENOSYS, starts threads
     and processes with clone. Another ABI than the native one (int 0x80's i386 calls from an x86_64 process,
     x32 numbers) answers ENOSYS to everything: its numbers would pass the checks above. On an ABI without a
@@ -690,14 +726,14 @@ def _syscall_filter(abi):
     if abi not in NATIVE_SYSCALLS:
         return [ld_nr, (0x15, 2, 0, SYS_PIDFD_GETFD), (0x15, 2, 0, SYS_CLONE3), allow, deny, nosys]
     arch, unshare, setns, clone, _ = NATIVE_SYSCALLS[abi]
+    denied = (SYS_PIDFD_GETFD, unshare, setns, *TRACE_SYSCALLS[abi])
+    d = len(denied)  # the layout: 0-3 arch and number, 4 x32, 5.. denied, clone3, clone, its flags, the verdicts
     return [ld_arch,
             (0x15, 1, 0, arch),  # the native ABI: go on
             nosys,
             ld_nr,
-            (0x45, 9, 0, 0x40000000),  # x32's numbers: ENOSYS
-            (0x15, 7, 0, SYS_PIDFD_GETFD),
-            (0x15, 6, 0, unshare),
-            (0x15, 5, 0, setns),
+            (0x45, 6 + d, 0, 0x40000000),  # x32's numbers: ENOSYS
+            *((0x15, 4 + d - j, 0, nr) for j, nr in enumerate(denied)),  # EPERM
             (0x15, 5, 0, SYS_CLONE3),
             (0x15, 0, 2, clone),
             ld_arg0,  # clone's flags (their low 32 bits: every CLONE_NEW* is there)
@@ -766,6 +802,7 @@ class SessionChild:
                 _die_with_parent(worker)
                 os.chdir(cfg["workdir"])
                 _apply_limits(cfg, inline=True)
+                _drop_capabilities()
                 _std_streams()
                 _session_child(3, 4, dict(base_globals))
             finally:
@@ -1022,6 +1059,9 @@ def _serve_pool(cfg, base_globals):
 
 def main():
     cfg = json.loads(sys.argv[1])
+    # not dumpable: opening /proc/<this>/mem or tracing it needs CAP_SYS_PTRACE, which no cell holds, even
+    # one of this process's uid (a harness that is not root); cells inherit it (after a uid drop it was so too)
+    _sys("prctl", PR_SET_DUMPABLE, 0, 0, 0, 0)
     _setup_channel()
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # oversized writes raise OSError instead of killing
     os.environ.update(cfg.get("env", {}))

@@ -9,6 +9,7 @@ must receive nothing) and leaves nothing behind.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -619,6 +620,8 @@ def test_the_syscall_filter_program(abi):
              (clone, arch, 0xFFFFFFFF00000011, allow), (seccomp, arch, 1, allow), (0, arch, 0, allow),
              (unshare, 0x40000003, 0x10000000, enosys), (310, 0x40000003, 0, enosys),  # another ABI: i386
              (unshare | 0x40000000, arch, 0x10000000, enosys), (-1, arch, 0, enosys)]
+    cases += [(nr, arch, 0, eperm) for nr in _worker.TRACE_SYSCALLS[abi]]  # ptrace, process_vm_readv/writev
+    cases += [(nr + 1, arch, 0, allow) for nr in _worker.TRACE_SYSCALLS[abi][:1]]  # its neighbour (getuid, ...)
     for nr, a, arg0, want in cases:
         assert _run_bpf(program, nr, a, arg0) == want, (abi, nr, hex(a), hex(arg0))
 
@@ -630,6 +633,63 @@ def test_cells_cannot_read_the_worker_process(pool):
     for run in (pool.run, pool.session().run):
         r = run(code)
         assert "READ" not in r.stdout.text and r.stdout.text.count("denied") == 3, r.stdout.text
+
+
+NOT_ROOT_PROBE = '''
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from sandbox import SandboxConfig, SandboxPool, isolation
+from sandbox.config import Limits
+print(json.dumps({"mechanism": isolation.probe()[1]}))
+CODE = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+print('uid', os.getuid(), [l.split()[1] for l in open('/proc/self/status') if l.startswith('CapEff')][0])
+try:
+    open('/proc/1/mem', 'rb').read(1); print('READ mem')
+except OSError as e:
+    print('denied mem', e.errno)
+print('ptrace', libc.ptrace(16, 1, 0, 0), ctypes.get_errno())  # PTRACE_ATTACH to the worker
+fds = os.listdir('/proc/1/fd')
+opened = []
+for fd in fds:
+    try:
+        os.close(os.open('/proc/1/fd/' + fd, os.O_RDONLY)); opened.append(fd)
+    except OSError:
+        pass
+print('opened', opened, 'of', len(fds))
+"""
+with SandboxPool(SandboxConfig(pool_size=1, limits=Limits(wall_seconds=5, memory_mb=256),
+                               preimports=("import math",))) as pool:
+    for run in (pool.run, pool.session().run):
+        r = run(CODE)
+        print(json.dumps({"status": r.status, "stdout": r.stdout.text}))
+'''
+
+
+def test_cells_of_a_harness_that_is_not_root_hold_no_capabilities(tmp_path):
+    """Where the harness is not root, the user namespace maps only its uid: cells cannot drop to another and
+    ran as the worker's root there, with every capability. One stopped the worker with PTRACE_ATTACH (the
+    cell then timed out) and could read its memory. Now the cell gives up its capabilities, the worker is not
+    dumpable and ptrace is filtered. Run as a non-root harness: in a user namespace mapping uid 65534 alone."""
+    script = tmp_path / "probe.py"
+    script.write_text(NOT_ROOT_PROBE)
+    argv = [sys.executable, "-I", str(script), str(ROOT)]
+    if os.geteuid() == 0:
+        argv = ["unshare", "--user", "--map-user=65534", "--map-group=65534", *argv]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    if r.returncode != 0 and r.stderr.startswith("unshare"):
+        pytest.skip(f"no user namespace for a non-root harness here: {r.stderr.strip()[:200]}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = [json.loads(line) for line in r.stdout.splitlines()]
+    if "user namespace" not in lines[0]["mechanism"]:
+        pytest.skip(f"no namespaces for a non-root harness here: {lines[0]['mechanism']}")
+    assert len(lines) == 3, lines
+    for cell in lines[1:]:
+        out = cell["stdout"]
+        assert cell["status"] == "ok", cell
+        assert "uid 0 0000000000000000" in out and "READ" not in out, out
+        assert "denied mem 13" in out and "ptrace -1 1" in out and "opened [] of" in out, out
 
 
 def test_garbled_or_out_of_order_replies_are_a_dead_worker(pool):
