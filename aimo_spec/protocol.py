@@ -29,6 +29,9 @@ GREEDY_BELOW_TEMPERATURE = 1e-5
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 128  # besides the model's end-of-sequence ids
+# (token, logprob) pairs a generated token may carry, as OpenAI's API: every front end (OpenAI, Triton) refuses more
+# and the engines hold to it (a top-k over the vocabulary each step, a row of pairs each token)
+MAX_TOP_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,8 @@ class SamplingParams:
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"SamplingParams.stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids "
                              f"(got {len(self.stop_token_ids)})")
+        if self.top_logprobs > MAX_TOP_LOGPROBS:
+            raise ValueError(f"SamplingParams.top_logprobs: at most {MAX_TOP_LOGPROBS} (got {self.top_logprobs})")
 
 
 @dataclass

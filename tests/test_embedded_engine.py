@@ -214,6 +214,10 @@ def test_bad_requests_get_a_final_error(engine):
     assert f.finish_reason == "error"
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0)
+    from aimo_spec.protocol import MAX_TOP_LOGPROBS
+    assert SamplingParams(top_logprobs=MAX_TOP_LOGPROBS).top_logprobs == MAX_TOP_LOGPROBS
+    with pytest.raises(ValueError, match="top_logprobs"):  # a top-k over the vocabulary every step
+        SamplingParams(top_logprobs=MAX_TOP_LOGPROBS + 1)
 
 
 def test_a_prompt_id_outside_the_vocabulary_fails_its_request_only(engine, hf):

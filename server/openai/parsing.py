@@ -14,12 +14,11 @@ from dataclasses import replace
 from typing import Any, Optional
 
 from aimo_spec.chat import max_chars_per_token
-from aimo_spec.protocol import MAX_STOP_TOKEN_IDS, SamplingParams
+from aimo_spec.protocol import MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS, SamplingParams
 from server.openai.api_error import ApiError
 from server.openai.body import flag_field, number_field, parse_body, quoted, refuse_unsupported, stop_strings
 from server.openai.job import Job
 
-MAX_LOGPROBS = 20
 MAX_N = 128
 # completions one request may ask for (prompts x n): each is a request in the engine's queue, and one body
 # of a thousand prompts at n=128 would otherwise queue 128k of them ahead of every other client
@@ -27,7 +26,8 @@ MAX_CHOICES = 4096
 MAX_CACHE_SALT_CHARS = 256  # a tenant's secret (128 random bits are 32 hex digits), not a payload
 SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)  # what a torch generator's seed takes; choice i of n gets seed + i
 CHAT_ROLES = ("system", "developer", "user", "assistant")  # developer is OpenAI's newer name for system
-ENGINE_LOGPROBS = 20  # asked of the engine whenever logprobs are wanted: the sampled token is nearly always among them
+# asked of the engine whenever logprobs are wanted: the sampled token is nearly always among them
+ENGINE_LOGPROBS = MAX_TOP_LOGPROBS
 
 
 class RequestParser:
@@ -175,7 +175,7 @@ class RequestParser:
             raise ApiError(400, "prompt is required: a string, a list of token ids, or a list of either "
                                 f"(got {quoted(prompt)})", "prompt")
         job = self._common(body, "completion", prompts, "prompt")
-        job.logprobs = number_field(body, "logprobs", None, 0, MAX_LOGPROBS, integer=True)
+        job.logprobs = number_field(body, "logprobs", None, 0, MAX_TOP_LOGPROBS, integer=True)
         return self._with_logprobs(job)
 
     def parse_chat(self, body: dict) -> Job:
@@ -220,12 +220,12 @@ class RequestParser:
                            "messages") from None
         job = self._common(body, "chat", [self.engine.tokenize(text)], "messages")
         if flag_field(body, "logprobs"):
-            job.logprobs = number_field(body, "top_logprobs", 0, 0, MAX_LOGPROBS, integer=True)
+            job.logprobs = number_field(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS, integer=True)
         elif body.get("top_logprobs") is not None:
             raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         return self._with_logprobs(job)
 
     def _with_logprobs(self, job: Job) -> Job:
         if job.logprobs is not None:
-            job.params = replace(job.params, top_logprobs=min(MAX_LOGPROBS, max(job.logprobs, ENGINE_LOGPROBS)))
+            job.params = replace(job.params, top_logprobs=min(MAX_TOP_LOGPROBS, max(job.logprobs, ENGINE_LOGPROBS)))
         return job

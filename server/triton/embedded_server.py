@@ -21,13 +21,12 @@ import time
 from pathlib import Path
 from typing import Any, AsyncIterator, Optional
 
-from aimo_spec.protocol import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+from aimo_spec.protocol import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
 from aimo_spec.recipe import ServingSpec
 from server.triton.interface import (
     INPUTS,
     KEY_PARAMETER,
     MAX_TEMPERATURE,
-    MAX_TOP_LOGPROBS,
     MODEL,
     OUTPUTS,
     STOP_PARAMETER,

@@ -36,7 +36,6 @@ from server.triton.interface import (
     INPUTS,
     KEY_PARAMETER,
     MAX_TEMPERATURE,
-    MAX_TOP_LOGPROBS,
     MODEL,
     STOP_PARAMETER,
     TRTLLM_INPUTS,
@@ -391,8 +390,6 @@ class TritonEngine(EngineBase):
 def _refused_here(p: SamplingParams) -> str:
     """Why the embedded server would refuse `p` ('' when it would not), said before sending: a refusal from
     the server comes back without its request."""
-    if p.temperature > MAX_TEMPERATURE:
+    if p.temperature > MAX_TEMPERATURE:  # top_logprobs' bound is SamplingParams' own
         return f"temperature {p.temperature} is over {MAX_TEMPERATURE}"
-    if p.top_logprobs > MAX_TOP_LOGPROBS:
-        return f"top_logprobs {p.top_logprobs} is over {MAX_TOP_LOGPROBS}"
     return ""

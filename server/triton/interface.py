@@ -22,9 +22,8 @@ MODEL = "ensemble"
 STOP_PARAMETER = "stop"
 KEY_PARAMETER = "request_key"
 # the embedded deployment's bounds, which the `triton` backend checks before sending (a refusal from the server
-# comes back without its request): top_logprobs as OpenAI's API (each a (token, logprob) pair per token)
+# comes back without its request); top_logprobs' is the protocol's MAX_TOP_LOGPROBS
 MAX_TEMPERATURE = 100.0
-MAX_TOP_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
