@@ -38,6 +38,8 @@ class Layout:
         return self.root / "sources"
 
     def source(self, name: str) -> Path:
+        if not name or name in (".", "..") or Path(name).name != name:  # the recipe check refuses these first
+            raise ValueError(f"a source's name must be one folder name (got {name!r})")
         return self.sources / name
 
     def source_model(self, name: str) -> Path:

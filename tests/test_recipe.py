@@ -95,6 +95,30 @@ def test_serving_defaults_are_the_anchors():
     (lambda d: d.setdefault("serving", {}).setdefault("budget", {}).update(policy="aimo3", high_seconds=40000),
      "serving.budget.high_seconds", "40000"),
     (lambda d: d.update(kaggle={"competition": "aimo9"}), "kaggle.competition", "'aimo9'"),
+    # the probe of stop 51: names that are paths, values out of range, keys that were named wrongly
+    (lambda d: (d["sources"].update({"../../victim": d["sources"].pop("cot")}), d["sources"]["tir"].update(
+        base="../../victim")), "sources", "'../../victim'"),
+    (lambda d: d["sources"].update({".": d["sources"]["cot"]}), "sources", "'.'"),
+    (lambda d: d.update(name="x" * 101), "name", "xxx"),
+    (lambda d: d["sources"]["cot"].update(package="ssl.x"), "sources.cot.package", "'ssl.x'"),
+    (lambda d: d["sources"]["cot"].update(file="/etc/passwd"), "sources.cot.file", "'/etc/passwd'"),
+    (lambda d: d["sources"]["tir"].update(lr=10 ** 400), "sources.tir.lr", "expected a finite number"),
+    (lambda d: d["sources"]["tir"].update(lr=0), "sources.tir.lr", "0"),
+    (lambda d: d["sources"]["tir"].update(lora_alpha=-5), "sources.tir.lora_alpha", "-5"),
+    (lambda d: d["merge"]["weights"].update(cot=1e308, tir=1e308), "merge.weights", "finite sum"),
+    (lambda d: d["quantize"]["calibration"].update(max_length=0), "quantize.calibration.max_length", "0"),
+    (lambda d: d["serving"]["sampling"].update(top_k=-1), "serving.sampling.top_k", "-1"),
+    (lambda d: d["serving"]["tool"].update(memory_mb=0), "serving.tool.memory_mb", "0"),
+    (lambda d: d["serving"].update(output_chars=0), "serving.output_chars", "0"),
+    (lambda d: d["serving"]["solver"].update(early_stop_first=50), "serving.solver.early_stop_first", "50"),
+    (lambda d: d["quality"].update(min_agreement=5.0), "quality.min_agreement", "5.0"),
+    (lambda d: d["quality"].update(max_kl=-1), "quality.max_kl", "-1"),
+    (lambda d: d.update(trtllm={"gpu_device_ids": [-1, -1]}), "trtllm.gpu_device_ids", "[-1, -1]"),
+    (lambda d: d.update(trtllm={"max_queue_delay_microseconds": -1}), "trtllm.max_queue_delay_microseconds", "-1"),
+    (lambda d: d["drafter"].update(num_beams=0), "drafter.num_beams", "0"),
+    (lambda d: d["drafter"]["train"].update(lr=0), "drafter.train.lr", "0"),
+    (lambda d: d["drafter"].update(kind="none", path="/no/such/drafter"), "drafter.path", "'/no/such/drafter'"),
+    (lambda d: d["drafter"].update(path="/etc/hostname"), "drafter.path", "is a file"),
 ])
 def test_bad_recipe_names_file_key_and_value(tmp_path, mutate, key, value):
     msg = _error(tmp_path, mutate)
@@ -131,6 +155,52 @@ def test_kaggle_section_defaults_per_competition(tmp_path):
 def test_missing_file(tmp_path):
     with pytest.raises(RecipeError, match="recipe file not found"):
         load_recipe(tmp_path / "nope.yaml")
+    with pytest.raises(RecipeError, match="a folder, not a recipe file"):
+        load_recipe(tmp_path)
+
+
+def _written(tmp_path: Path, text: str, name: str = "r.yaml") -> Path:
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def test_yaml_reads_as_yaml_1_2_without_duplicate_keys(tmp_path):
+    """YAML 1.1 read `on` as true, `010` as 8, `1:30` as 90 and `2e-3` as a string; a key given twice
+    silently replaced the first (a second `build:` dropped the whole first section)."""
+    base = (ROOT / "engines" / "mix.yaml").read_text()
+    r = load_recipe(_written(tmp_path, base.replace("enabled: auto", "enabled: on").replace(
+        "max_batch_size: 16", "max_batch_size: 010").replace("lr: 2.0e-3", "lr: 2e-3")))
+    assert (r.serving.speculative.enabled, r.build.max_batch_size, r.sources["tir"].lr) == ("on", 10, 0.002)
+    with pytest.raises(RecipeError, match=r"r.yaml: line \d+: not valid YAML: duplicate key 'build' \(first on line"):
+        load_recipe(_written(tmp_path, base + "\nbuild:\n  quantization: fp8\n"))
+    with pytest.raises(RecipeError, match="duplicate key 'name'"):
+        load_recipe(_written(tmp_path, "name: a\nname: b\n" + base.replace("name: mix\n", "")))
+    with pytest.raises(RecipeError, match="sources: every key must be a string"):
+        load_recipe(_written(tmp_path, base.replace("  cot:\n", "  1:\n").replace("base: cot", "base: '1'")))
+
+
+def test_an_alias_bomb_is_quoted_short(tmp_path):
+    """A few lines of YAML aliases stand for 10^9 items: quoting the value whole in the error took minutes
+    and gigabytes. The error quotes a few of them (here 10^6, so that the old way stays quick)."""
+    def level(i: int) -> str:
+        if i == 0:
+            return "&a0 [" + ", ".join(["1"] * 10) + "]"
+        return f"&a{i} [{level(i - 1)}, " + ", ".join([f"*a{i - 1}"] * 9) + "]"
+    base = (ROOT / "engines" / "mix.yaml").read_text()
+    assert "  seed: 1234\n" in base
+    with pytest.raises(RecipeError) as e:
+        load_recipe(_written(tmp_path, base.replace("  seed: 1234\n", f"  seed: {level(5)}\n")))
+    assert "quality.seed: expected an integer" in str(e.value) and len(str(e.value)) < 4000, len(str(e.value))
+
+
+def test_names_that_cannot_be_a_folder(tmp_path):
+    base = (ROOT / "engines" / "mix.yaml").read_text().replace("name: mix\n", "")
+    with pytest.raises(RecipeError, match=r"no name key and its file name 'my.recipe' is not a name.*name: my-recipe"):
+        load_recipe(_written(tmp_path, base, "my.recipe.yaml"))
+    (tmp_path / "taken").write_text("a file where the output folder goes")
+    with pytest.raises(RecipeError, match=r"name: the output folder .*taken exists and is not a folder"):
+        load_recipe(_written(tmp_path, base, "taken.yaml"))
 
 
 def test_hf_path_resolves_against_recipe_folder(tmp_path, tiny_models):
