@@ -26,7 +26,8 @@ copy peak there).
 Time: each model-running stage takes about a + b x parameters seconds (`STAGE_SECONDS`), fitted by
 `python -m trtbuild.programs.bench_scale` on random-weight Qwen2 models, which generate to the length
 limit every time (so an upper bound for trained models, which stop at their EOS). On a GPU host: one
-H100's runs at 135M-3B (bench/scale-gpu-h100.json; past 3B a straight line's guess). The build's
+H100's runs at 135M-3B (bench/scale-gpu-h100.json, the 1.5B rerun of 2026-12-07 included; past 3B a
+straight line's guess). The build's
 entry is the 135M-1.5B fit, measured before the batched FP8-KV price: the 3B build, after it, took
 55 s against 123 s at 1.5B, so a fit across both falls with size; the older one stays as the upper
 bound. On the CPU: the 2-core CI host at 135M and 0.5B, and 1.5B for merge and quantize
@@ -63,7 +64,7 @@ DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2":
 
 # stage -> (a seconds, b seconds a parameter); see the module docstring for where they were measured
 STAGE_SECONDS = {
-    "gpu": {"merge": (26.1, 14.7e-9), "quantize": (51.6, 26.4e-9), "drafter": (50.2, 6.1e-9),
+    "gpu": {"merge": (29.8, 15.4e-9), "quantize": (55.0, 27.0e-9), "drafter": (56.4, 7.3e-9),
             "build": (117.6, 1.85e-9)},
     "cpu": {"merge": (40.7, 171e-9), "quantize": (37.7, 444e-9), "drafter": (195.6, 1038e-9),
             "build": (35.9, 166e-9)},
