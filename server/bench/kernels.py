@@ -11,9 +11,10 @@ installed (a well-kept Triton low-bit library; carried to the GPU host as a whee
 timed as a CUDA graph replay (as the engine runs it, so its launches count); the weight bytes read per
 second beside it. `--tune` also times every configuration of a small grid for the weight-only kernel and names the
 best over all shapes for each row band (16, 32, 64 rows; try it with W8A16_CONFIG="16=...;64=...").
-`--tune-dense` times `dense_linear`'s Triton tiles against cuBLAS on the bf16 weights it may take (q/k/v and
-o_proj), every call reading another copy of the weight so that L2 does not hold it (as in the engine, where
-each layer's weights are read once a step); try the best with DENSE_TRITON_CONFIG and DENSE_TRITON_MAX_ROWS.
+`--tune-dense` times `dense_linear`'s Triton tiles (and K splits) against cuBLAS on every bf16 weight shape, every
+call reading another copy of the weight so that L2 does not hold it (as in the engine, where each layer's weights
+are read once a step); try the best with DENSE_TRITON_CONFIG, DENSE_TRITON_SPLIT, DENSE_TRITON_MAX_ROWS and
+DENSE_TRITON_MAX_ELEMENTS (which keeps the larger gate/up and down weights on cuBLAS by default).
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ SHAPES = {"1.5b": [(2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960)],
           "14b": [(7168, 5120), (5120, 5120), (27648, 5120), (5120, 13824)]}
 GRID = list(itertools.product((32, 64, 128, 256), (128, 256), (4, 8), (3, 4)))
 FP8_GRID = list(itertools.product((64, 128), (128, 256), (4, 8), (3, 4)))  # the FP8 Triton GEMM's, --tune
-# `dense_linear`'s tiles (--tune-dense): bf16 weights small enough for it (DENSE_TRITON_MAX_ELEMENTS), one program
-# a K loop; each timed call reads another copy of the weight, so that L2 (50 MB on an H100) does not hold it
-DENSE_GRID = list(itertools.product((8, 16, 32, 64), (128, 256), (2, 4, 8), (2, 3, 4)))
+# `dense_linear`'s tiles and K splits (--tune-dense: BLOCK_N, BLOCK_K, warps, stages, split), on every bf16 weight
+# shape; each timed call reads another copy of the weight, so that L2 (50 MB on an H100) does not hold it
+DENSE_GRID = list(itertools.product((8, 16, 32, 64), (128, 256), (4, 8), (3, 4), (1, 2, 4)))
 DENSE_COPIES_BYTES = 256 << 20
 
 
@@ -64,8 +65,8 @@ def gemlite_linears(w: torch.Tensor) -> dict[str, object]:
 
 
 def dense_tune(x: torch.Tensor, w: torch.Tensor, gk) -> dict[str, object]:
-    """cuBLAS against the weight-only kernel on the bf16 weight (unit scale, one program a K loop) over
-    DENSE_GRID, each call reading another copy of `w` (DENSE_COPIES_BYTES of them: none stays in L2)."""
+    """cuBLAS against the weight-only kernel on the bf16 weight (unit scale) over DENSE_GRID's tiles and K
+    splits, each call reading another copy of `w` (DENSE_COPIES_BYTES of them: none stays in L2)."""
     from server.bench.attention import time_graph
 
     copies = [w.clone() for _ in range(max(2, DENSE_COPIES_BYTES // (w.numel() * w.element_size())))]
@@ -76,16 +77,20 @@ def dense_tune(x: torch.Tensor, w: torch.Tensor, gk) -> dict[str, object]:
         return lambda: call(next(turn))
     cublas = time_graph(rotating(lambda wc: F.linear(x, wc)))
     per = {}
-    for c in DENSE_GRID:
+    for tile in DENSE_GRID:  # (BLOCK_N, BLOCK_K, warps, stages, split)
         try:
-            per[c] = time_graph(rotating(lambda wc, c=c: gk.weight_only_linear(x, wc, unit, config=c, split=1)))
+            per[tile] = time_graph(rotating(lambda wc, t=tile: gk.weight_only_linear(x, wc, unit, config=t[:4],
+                                                                                      split=t[4])))
         except Exception:  # noqa: BLE001 - a configuration the compiler refuses
             continue
     best = min(per, key=per.get) if per else None
+    one = min((t for t in per if t[4] == 1), key=per.get, default=None)  # one launch (no reduction kernel)
     size = w.numel() * w.element_size()
     return {"dense_cublas_us": round(cublas, 2), "dense_cublas_tb_s": round(size / cublas / 1e6, 2),
             "dense_best_us": round(per[best], 2) if best else None, "dense_best_config": best,
-            "dense_best_vs_cublas": round(cublas / per[best], 3) if best else None}
+            "dense_best_vs_cublas": round(cublas / per[best], 3) if best else None,
+            "dense_best_tb_s": round(size / per[best] / 1e6, 2) if best else None,
+            "dense_one_launch_us": round(per[one], 2) if one else None, "dense_one_launch_config": one}
 
 
 def row_band(m: int) -> int:
@@ -169,7 +174,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                                     f"{name}_rel_err": round(err, 4)})
                     except Exception as e:  # noqa: BLE001 - e.g. a kernel this GPU cannot compile
                         row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-            if args.tune_dense and n * k <= gk.DENSE_TRITON_MAX_ELEMENTS:
+            if args.tune_dense:
                 row.update(dense_tune(x, w, gk))
             if args.tune:
                 per = {}

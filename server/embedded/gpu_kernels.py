@@ -52,7 +52,9 @@ FP8_TRITON_MAX_ROWS = int(os.environ.get("FP8_TRITON_MAX_ROWS", "0"))
 # DENSE_TRITON_CONFIG tile ("n,k,warps,stages" or row bands, as W8A16_CONFIG). Profiled on an H100 (1.5B,
 # batch 1), cuBLAS reads the small q/k/v and o_proj weights (3-6 MB) at 1.1 TB/s where gate/up reach 2.5.
 # 0: off. Measured on an H100 (1.5B engine, tile 16,256,4,3, one program a K loop; bench/gpu-dense-sampler-h100.json):
-# 0.998x cuBLAS at batch 1, 0.985x at 4, with that tile untuned
+# 0.998x cuBLAS at batch 1, 0.985x at 4, with that tile untuned. Tuned over tiles and K splits with each call reading
+# a cold weight (bench/kernels-dense-tune-h100.json): q/k/v and o_proj ~6 us whichever kernel (a fixed latency, not
+# bytes), gate/up 1.06x, down 1.04x (split 4): about 2.5% of a 1.5B step, so it stays off
 DENSE_TRITON_MAX_ROWS = int(os.environ.get("DENSE_TRITON_MAX_ROWS", "0"))
 DENSE_TRITON_MAX_ELEMENTS = int(os.environ.get("DENSE_TRITON_MAX_ELEMENTS", str(8 << 20)))
 DENSE_TRITON_CONFIG = "DENSE_TRITON_CONFIG"
