@@ -9,12 +9,11 @@ its `config.json` and a non-empty `rank*.engine` per rank.
 
 from __future__ import annotations
 
-import json
-import struct
 from pathlib import Path
 from typing import Any
 
 from aimo_spec.layout import GGUF_FILE
+from aimo_spec.safetensors_header import SafetensorsError, check_whole
 
 
 class EngineFolderError(ValueError):
@@ -26,23 +25,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 def check_safetensors(path: Path) -> None:
     """The header parses and the tensors' data ends exactly at the file's end (8-byte length, JSON header, data)."""
-    size = path.stat().st_size
-    with path.open("rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise EngineFolderError(f"{path}: truncated safetensors file ({size} bytes)")
-        (n,) = struct.unpack("<Q", head)
-        if n > size - 8 or n > 100 << 20:
-            raise EngineFolderError(f"{path}: truncated or corrupt safetensors header (header {n} bytes, file {size})")
-        try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise EngineFolderError(f"{path}: corrupt safetensors header ({e})") from None
-    ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__" and isinstance(t, dict)
-            and "data_offsets" in t]
-    expected = 8 + n + max(ends, default=0)
-    if expected != size:
-        raise EngineFolderError(f"{path}: {size} bytes but its header describes {expected} (truncated or corrupt copy)")
+    try:
+        check_whole(path)
+    except SafetensorsError as e:
+        raise EngineFolderError(str(e)) from None
 
 
 def _check_model_folder(model: Path, weights: bool) -> None:

@@ -17,6 +17,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import Any, Callable
 
 from aimo_spec.recipe import Recipe, RecipeError, load_recipe
 from trtbuild import manifest as mf
@@ -33,65 +34,79 @@ def _mb(n: int | None) -> str:
     return f"{(n or 0) / 1e6:.1f} MB"
 
 
+def _quality(q: dict[str, Any], flags: list[str] | None = None) -> str:
+    return (f"KL {q['kl_mean']:.4f}, agreement {q['token_agreement']:.1%}, reply len {q['reply_len']:.1f} vs "
+            f"{q['reply_len_ref']:.1f}, code calls {q['code_calls']:.2f} vs {q['code_calls_ref']:.2f}"
+            + (f"  [flagged: {'; '.join(flags)}]" if flags else ""))
+
+
+def _source_lines(name: str, m: dict[str, Any]) -> list[str]:
+    t = m.get("training")
+    extra = f", TIR loss {t['heldout_loss_before']} -> {t['heldout_loss_after']}" if t else ""
+    return [f"sources/{name}: {m['seconds']}s, {_mb(m['size_bytes'])}{extra}"]
+
+
+def _merge_lines(m: dict[str, Any]) -> list[str]:
+    c = m["arithmetic_check"]
+    lines = [f"merge: {m['seconds']}s (mergekit {m['merge_seconds']}s), {_mb(m['size_bytes'])}, "
+             f"check {c['tensors_checked']} tensors max err {c['max_abs_error']:.3g} = {c['max_error_ulps']:.3f} ulp"]
+    return lines + [f"  merged {k.replace('_', ' ')}: {_quality(v)}" for k, v in m["quality"].items()
+                    if k.startswith("vs_")]
+
+
+def _quantize_lines(fmt: str, m: dict[str, Any]) -> list[str]:
+    if "gguf_bytes" in m:  # llama.cpp's export: no TensorRT-LLM checkpoint, no reload check (the price is it)
+        head = f"quantize/{fmt}: {m['seconds']}s, gguf {_mb(m['gguf_bytes'])} ({m['runtime']})"
+    else:
+        head = (f"quantize/{fmt}: {m['seconds']}s, hf {_mb(m['hf_bytes'])}, trtllm {_mb(m['trtllm_bytes'])}, "
+                f"reload {m['reload_error']['max_error_over_bound']:.3f}x bound")
+    return [head, f"  {fmt} vs bf16: {_quality(m['quality'], m.get('quality_flags'))}"]
+
+
+def _drafter_lines(m: dict[str, Any]) -> list[str]:
+    a, tr = m["acceptance"], m.get("training")
+    cost = f", trained in {tr['train_seconds']}s on {tr['positions']} positions" if tr else " (given)"
+    return [f"drafter: {m['seconds']}s{cost}; {a['num_beams']}x{a['draft_len_per_beam']} drafts: "
+            f"{a['tokens_per_step']:.2f} tokens/step, acceptance per position {a['acceptance_at_position']}"]
+
+
+def _build_lines(backend: str, m: dict[str, Any]) -> list[str]:
+    cpu = f" ({m['cpu_quantization']} on CPUs)" if m.get("cpu_quantization") else ""
+    lines = [f"build/{backend}: {m['seconds']}s, {_mb(m['size_bytes'])}, serves {m['quantization']}{cpu}"]
+    kv = m.get("kv_cache_price")
+    if kv and "skipped" in kv:
+        lines.append(f"  FP8 KV cache: not priced ({kv['skipped']})")
+    elif kv:  # serving.kv_cache_dtype: fp8, priced by the build
+        lines.append(f"  FP8 KV cache vs model-dtype cache: {_quality(kv['fp8'], kv['flags'])}")
+    return lines
+
+
 def report(recipe: Recipe) -> str:
-    """A human summary of the finished stages (times, sizes, checks, quality)."""
+    """A human summary of the finished stages (times, sizes, checks, quality). A manifest this version cannot
+    read (damaged, or written by another version) gets a line saying so, not a traceback."""
     layout = recipe.layout
     lines = [f"# {recipe.name}: {layout.root}"]
-    src = mf.read_manifest(layout.sources)
+
+    def section(folder: Path, render: Callable[[dict[str, Any]], list[str]]) -> None:
+        m = mf.read_manifest(folder)
+        if not m:
+            return
+        try:
+            lines.extend(render(m))
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+            lines.append(f"{folder / mf.MANIFEST}: not a manifest this version reads ({type(e).__name__}: "
+                         f"{str(e)[:200]}); rerun its stage with TRTBUILD_FORCE")
+
     for name in recipe.sources:
-        m = mf.read_manifest(layout.source(name))
-        if m:
-            t = m.get("training")
-            extra = f", TIR loss {t['heldout_loss_before']} -> {t['heldout_loss_after']}" if t else ""
-            lines.append(f"sources/{name}: {m['seconds']}s, {_mb(m['size_bytes'])}{extra}")
-    if src is None:
+        section(layout.source(name), lambda m, name=name: _source_lines(name, m))
+    if mf.read_manifest(layout.sources) is None:
         lines.append("sources: not built")
-    m = mf.read_manifest(layout.merge)
-    if m:
-        c = m["arithmetic_check"]
-        lines.append(f"merge: {m['seconds']}s (mergekit {m['merge_seconds']}s), {_mb(m['size_bytes'])}, "
-                     f"check {c['tensors_checked']} tensors max err {c['max_abs_error']:.3g} = "
-                     f"{c['max_error_ulps']:.3f} ulp")
-        for k, v in m["quality"].items():
-            if k.startswith("vs_"):
-                lines.append(f"  merged {k.replace('_', ' ')}: KL {v['kl_mean']:.4f}, "
-                             f"agreement {v['token_agreement']:.1%}, "
-                             f"reply len {v['reply_len']:.1f} vs {v['reply_len_ref']:.1f}, code calls "
-                             f"{v['code_calls']:.2f} vs {v['code_calls_ref']:.2f}")
+    section(layout.merge, _merge_lines)
     for fmt in recipe.quantize.formats:
-        m = mf.read_manifest(layout.quantize_format(fmt))
-        if m:
-            q = m["quality"]
-            if "gguf_bytes" in m:  # llama.cpp's export: no TensorRT-LLM checkpoint, no reload check (the price is it)
-                lines.append(f"quantize/{fmt}: {m['seconds']}s, gguf {_mb(m['gguf_bytes'])} ({m['runtime']})")
-            else:
-                err = m["reload_error"]["max_error_over_bound"]
-                lines.append(f"quantize/{fmt}: {m['seconds']}s, hf {_mb(m['hf_bytes'])}, "
-                             f"trtllm {_mb(m['trtllm_bytes'])}, reload {err:.3f}x bound")
-            lines.append(f"  {fmt} vs bf16: KL {q['kl_mean']:.4f}, agreement {q['token_agreement']:.1%}, reply len "
-                         f"{q['reply_len']:.1f} vs {q['reply_len_ref']:.1f}, code calls {q['code_calls']:.2f} vs "
-                         f"{q['code_calls_ref']:.2f}"
-                         + (f"  [flagged: {'; '.join(m['quality_flags'])}]" if m.get("quality_flags") else ""))
-    m = mf.read_manifest(layout.drafter)
-    if m:
-        a, tr = m["acceptance"], m.get("training")
-        cost = f", trained in {tr['train_seconds']}s on {tr['positions']} positions" if tr else " (given)"
-        lines.append(f"drafter: {m['seconds']}s{cost}; {a['num_beams']}x{a['draft_len_per_beam']} drafts: "
-                     f"{a['tokens_per_step']:.2f} tokens/step, acceptance per position {a['acceptance_at_position']}")
+        section(layout.quantize_format(fmt), lambda m, fmt=fmt: _quantize_lines(fmt, m))
+    section(layout.drafter, _drafter_lines)
     for backend in ("embedded", "trtllm"):
-        m = mf.read_manifest(layout.engine(backend))
-        if m:
-            cpu = f" ({m['cpu_quantization']} on CPUs)" if m.get("cpu_quantization") else ""
-            lines.append(f"build/{backend}: {m['seconds']}s, {_mb(m['size_bytes'])}, serves {m['quantization']}{cpu}")
-            kv = m.get("kv_cache_price")
-            if kv and "skipped" in kv:
-                lines.append(f"  FP8 KV cache: not priced ({kv['skipped']})")
-            elif kv:  # serving.kv_cache_dtype: fp8, priced by the build
-                q = kv["fp8"]
-                lines.append(f"  FP8 KV cache vs model-dtype cache: KL {q['kl_mean']:.4f}, agreement "
-                             f"{q['token_agreement']:.1%}, reply len {q['reply_len']:.1f} vs {q['reply_len_ref']:.1f}, "
-                             f"code calls {q['code_calls']:.2f} vs {q['code_calls_ref']:.2f}"
-                             + (f"  [flagged: {'; '.join(kv['flags'])}]" if kv["flags"] else ""))
+        section(layout.engine(backend), lambda m, backend=backend: _build_lines(backend, m))
     return "\n".join(lines)
 
 
@@ -103,6 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         recipe = load_recipe(args.recipe)
+        _check_invocation(recipe, args.backend)
+        if args.command == "check":  # the sources' checkpoints too, from their headers (no weights read)
+            from trtbuild.resources import model_bytes
+
+            model_bytes(recipe)
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -120,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
         except ResourceError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
+        except RecipeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         return 0
     if args.command == "doctor":
         from trtbuild.doctor import report as doctor_report
@@ -136,6 +159,21 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def _check_invocation(recipe: Recipe, backend: str) -> None:
+    """What the command line adds to the recipe, checked before any stage runs: the backend asked for can
+    serve the recipe's quantization, and TRTBUILD_FORCE names stages that exist (a misspelt one was ignored)."""
+    from aimo_spec.layout import is_gguf
+
+    if backend == "trtllm" and is_gguf(recipe.build.quantization):
+        raise RecipeError(f"{recipe.path}: build.quantization: TensorRT-LLM cannot serve GGUF; build it with "
+                          f"BACKEND=embedded (or auto), or pick a ModelOpt format for trtllm "
+                          f"(got {recipe.build.quantization!r})")
+    unknown = stages.unknown_forced()
+    if unknown:
+        raise RecipeError(f"{stages.FORCE_ENV}: no stage named {', '.join(map(repr, unknown))} (stages: "
+                          f"{', '.join(STAGES)}, or all)")
+
+
 def _run_stages(todo: tuple[str, ...], recipe: Recipe, args: argparse.Namespace) -> int:
     from trtbuild.resources import ResourceError, check
 
@@ -144,6 +182,9 @@ def _run_stages(todo: tuple[str, ...], recipe: Recipe, args: argparse.Namespace)
     except ResourceError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except RecipeError as e:  # a source whose checkpoint is not whole
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     for stage in todo:
         t = time.time()
         try:

@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from aimo_spec.recipe import Recipe
+from aimo_spec.recipe import Recipe, RecipeError
 from merge.check import check_arithmetic
 from merge.config import effective_weights, mergekit_config
 from trtbuild import manifest as mf
@@ -47,6 +47,22 @@ def run(recipe: Recipe) -> Path:
     return final
 
 
+def same_tensors(recipe: Recipe, dirs: dict[str, Path]) -> None:
+    """A linear merge adds tensors of one name and shape: refuse, naming the first difference, sources whose
+    common tensors differ in shape (read from their headers), before mergekit loads them and fails midway.
+    A tensor one source lacks is mergekit's to judge (a tied lm_head is optional there)."""
+    from trtbuild.sources import checkpoint_tensors
+
+    shapes = [(n, checkpoint_tensors(d, f"{recipe.path}: sources.{n}")) for n, d in dirs.items()]
+    shapes = [(n, s) for n, s in shapes if s]  # sources of .bin files only: not compared
+    for (first, ref), (name, tensors) in zip(shapes, shapes[1:]):
+        for tensor in sorted(set(ref) & set(tensors)):
+            if ref[tensor] != tensors[tensor]:
+                raise RecipeError(f"{recipe.path}: merge.weights: sources {first!r} and {name!r} cannot be merged "
+                                  f"linearly: tensor {tensor[:200]!r} is {ref[tensor]} in {first!r} and "
+                                  f"{tensors[tensor]} in {name!r} (the same architecture and size is needed)")
+
+
 def _merge(recipe: Recipe, tmp: Path, final: Path) -> dict[str, Any]:
     from mergekit.config import MergeConfiguration
     from mergekit.merge import MergeOptions, run_merge
@@ -55,6 +71,7 @@ def _merge(recipe: Recipe, tmp: Path, final: Path) -> dict[str, Any]:
     for name, d in dirs.items():
         if not (d / "config.json").is_file():
             raise FileNotFoundError(f"merge: source {name!r} has no checkpoint at {d}: run the sources stage first")
+    same_tensors(recipe, dirs)
     cfg = mergekit_config(recipe.merge, dirs)
     weights = effective_weights(recipe.merge)
     mf.log(STAGE, "linear merge " + " + ".join(f"{w:g}*{k}" for k, w in weights.items()) + " (mergekit) ...")

@@ -38,16 +38,15 @@ are not estimated.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 from aimo_spec.layout import is_gguf
 from aimo_spec.recipe import GGUFPackageSource, HFSource, Recipe, RecipeError, TIRFinetuneSource, gguf_file
+from aimo_spec.safetensors_header import SafetensorsError, parameters, read_header
 from trtbuild import manifest as mf
 
 SKIP_ENV = "TRTBUILD_SKIP_RESOURCE_CHECK"
@@ -85,19 +84,9 @@ class Need:
 
 
 def safetensors_params(folder: Path) -> int:
-    """Parameters in a folder's *.safetensors files, from their JSON headers (no tensor is read)."""
-    total = 0
-    for f in sorted(folder.glob("*.safetensors")):
-        with f.open("rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(n))
-        for name, t in header.items():
-            if name != "__metadata__":
-                count = 1
-                for d in t["shape"]:
-                    count *= d
-                total += count
-    return total
+    """Parameters in a folder's *.safetensors files, from their JSON headers (no tensor is read); a header
+    that is not whole raises SafetensorsError naming its file."""
+    return sum(parameters(read_header(f)[0]) for f in sorted(folder.glob("*.safetensors")))
 
 
 def gguf_params(path: Path) -> int:
@@ -113,10 +102,20 @@ def source_params(recipe: Recipe, name: str) -> Optional[int]:
     if isinstance(src, TIRFinetuneSource):
         return source_params(recipe, src.base)
     if isinstance(src, GGUFPackageSource):
-        return gguf_params(gguf_file(src, f"{recipe.path}: sources.{name}"))
+        path = gguf_file(src, f"{recipe.path}: sources.{name}")
+        try:
+            return gguf_params(path)
+        except ImportError:  # the gguf package: a setup matter, not the file's
+            return None
+        except Exception as e:  # noqa: BLE001 - gguf's reader raises what it meets (ValueError, struct.error, ...)
+            raise RecipeError(f"{recipe.path}: sources.{name}.file: {path}: not a readable GGUF file "
+                              f"({type(e).__name__}: {str(e)[:200]})") from None
     if isinstance(src, HFSource):
         folder = recipe.resolve(src.path)
-        return safetensors_params(folder) or None
+        try:
+            return safetensors_params(folder) or None
+        except (SafetensorsError, OSError) as e:
+            raise RecipeError(f"{recipe.path}: sources.{name}.path: {e}") from None
     return None
 
 

@@ -8,11 +8,13 @@ Each source gets `sources/<name>/` with its own manifest, so a failure in one ke
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
 
-from aimo_spec.recipe import GGUFPackageSource, HFSource, Recipe, TIRFinetuneSource, gguf_file, to_data
+from aimo_spec.recipe import GGUFPackageSource, HFSource, Recipe, RecipeError, TIRFinetuneSource, gguf_file, to_data
+from aimo_spec.safetensors_header import SafetensorsError, check_whole
 from trtbuild import manifest as mf
 from trtbuild import stages
 from trtbuild.tir_data import VERSION as TIR_VERSION
@@ -23,6 +25,31 @@ STAGE = "sources"
 
 def gguf_path(src: GGUFPackageSource, where: str) -> Path:
     return gguf_file(src, f"{where}: sources")
+
+
+def checkpoint_tensors(folder: Path, where: str) -> dict[str, list[int]]:
+    """An HF checkpoint folder's tensors (name -> shape), from its config.json and safetensors headers, no
+    weights read; `where` ("<recipe>: sources.<name>.path") prefixes the RecipeError naming a file that is not
+    whole: a config.json that is not a JSON object, a header that is not a safetensors header (a truncated or
+    garbage file), no weights at all. Checkpoints of PyTorch .bin files only are taken as they are (no shapes)."""
+    config = folder / "config.json"
+    try:
+        data = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise RecipeError(f"{where}: {config}: not a readable JSON config ({type(e).__name__}: "
+                          f"{str(e)[:200]})") from None
+    if not isinstance(data, dict):
+        raise RecipeError(f"{where}: {config}: a model config is a JSON object (got a {type(data).__name__})")
+    files = sorted(folder.glob("*.safetensors"))
+    if not files and not any(folder.glob("*.bin")):
+        raise RecipeError(f"{where}: no weights in {folder} (no *.safetensors, nor *.bin)")
+    shapes: dict[str, list[int]] = {}
+    for f in files:
+        try:
+            shapes.update({name: t["shape"] for name, t in check_whole(f).items()})
+        except (SafetensorsError, OSError) as e:
+            raise RecipeError(f"{where}: {e}") from None
+    return shapes
 
 
 def gguf_to_hf(path: Path, out: Path) -> None:
@@ -76,6 +103,7 @@ def _make_one(recipe: Recipe, name: str, tmp: Path, final: Path) -> dict[str, An
     if isinstance(src, HFSource):
         mf.log(STAGE, f"{name}: hf checkpoint {recipe.source_model(name)} (used in place)")
         model_dir = recipe.source_model(name)
+        checkpoint_tensors(model_dir, f"{recipe.path}: sources.{name}.path")  # whole headers, before it is marked done
     elif isinstance(src, GGUFPackageSource):
         path = gguf_path(src, str(recipe.path))
         mf.log(STAGE, f"{name}: dequantizing {path.name} from package {src.package} to bf16 ...")

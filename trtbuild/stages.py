@@ -107,9 +107,18 @@ def code_hashes(name: str) -> dict[str, str]:
     return out
 
 
+def _forced_names() -> set[str]:
+    return {w.strip() for w in os.environ.get(FORCE_ENV, "").split(",") if w.strip()}
+
+
 def forced(name: str) -> bool:
-    wanted = {w.strip() for w in os.environ.get(FORCE_ENV, "").split(",") if w.strip()}
+    wanted = _forced_names()
     return "all" in wanted or stage(name).name in wanted
+
+
+def unknown_forced() -> list[str]:
+    """Names in TRTBUILD_FORCE that are no stage (nor `all`)."""
+    return sorted(w for w in _forced_names() if w != "all" and w not in NAMES)
 
 
 def current(name: str, folder: Path, fp: str) -> bool:
