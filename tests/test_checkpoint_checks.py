@@ -144,3 +144,16 @@ def test_report_names_a_manifest_it_cannot_read(recipe, capsys):
     (merge / "manifest.json").write_text(json.dumps({"status": "done", "seconds": 3}))
     rc, out = run(capsys, "report", "--recipe", str(recipe))
     assert rc == 0 and "merge/manifest.json: not a manifest this version reads (KeyError" in out, out
+
+
+def test_a_folder_built_from_another_recipe_file_is_said(recipe, capsys, monkeypatch):
+    """Two recipe files with one name share an output folder; each rebuilds what differs from the other's."""
+    monkeypatch.setenv("TRTBUILD_SKIP_RESOURCE_CHECK", "1")
+    other = recipe.parent / "other.yaml"
+    other.write_text(recipe.read_text())
+    rc, out = run(capsys, "sources", "--recipe", str(recipe))
+    assert rc == 0 and "was last built from" not in out, out
+    rc, out = run(capsys, "sources", "--recipe", str(other))
+    assert rc == 0 and f"was last built from {recipe.resolve()}; this run, from {other.resolve()}" in out, out
+    rc, out = run(capsys, "sources", "--recipe", str(other))
+    assert rc == 0 and "was last built from" not in out, out

@@ -174,6 +174,25 @@ def _check_invocation(recipe: Recipe, backend: str) -> None:
                           f"{', '.join(STAGES)}, or all)")
 
 
+OWNER = ".recipe"  # in the output folder: the recipe file that last ran a stage there
+
+
+def _note_owner(recipe: Recipe) -> None:
+    """Two recipe files with one `name` share `engines/<name>/`, and each rebuilds the stages whose inputs
+    differ from the other's: say so when the folder was last built from another file, then record this one."""
+    mark = recipe.out_dir / OWNER
+    here = str(recipe.path)
+    try:
+        before = mark.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        before = ""
+    if before and before != here:
+        print(f"[trtbuild] note: {recipe.out_dir} was last built from {before}; this run, from {here}, rebuilds "
+              "the stages whose inputs differ (another `name:` keeps both)", file=sys.stderr)
+    if before != here:
+        mark.write_text(here + "\n", encoding="utf-8")
+
+
 def _run_stages(todo: tuple[str, ...], recipe: Recipe, args: argparse.Namespace) -> int:
     from trtbuild.resources import ResourceError, check
 
@@ -185,6 +204,7 @@ def _run_stages(todo: tuple[str, ...], recipe: Recipe, args: argparse.Namespace)
     except RecipeError as e:  # a source whose checkpoint is not whole
         print(f"error: {e}", file=sys.stderr)
         return 2
+    _note_owner(recipe)
     for stage in todo:
         t = time.time()
         try:
