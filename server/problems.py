@@ -44,16 +44,22 @@ def csv_rows(text: str) -> tuple[list[str], list[tuple[int, list[str]]]]:
     because polars.read_csv, which the gateway uses, reads each one as a row of nulls (csv.DictReader
     would skip them silently). Fields may be of any size (the real gateway reads a 1 MB problem)."""
     csv.field_size_limit(max(csv.field_size_limit(), 1 << 30))
-    reader = csv.reader(io.StringIO(text, newline=""))
+    # strict: a quote left open no longer swallows the rest of the file into one field (later rows vanished)
+    reader = csv.reader(io.StringIO(text, newline=""), strict=True)
     header: list[str] = []
     rows: list[tuple[int, list[str]]] = []
     line = 0  # the last line read so far: a record starts on the line after it
-    for fields in reader:
-        if header:
-            rows.append((line + 1, fields))
-        else:
-            header = fields  # [] while the lines are blank
-        line = reader.line_num
+    try:
+        for fields in reader:
+            if header:
+                rows.append((line + 1, fields))
+            else:
+                header = fields  # [] while the lines are blank
+            line = reader.line_num
+    except csv.Error as e:
+        raise ValueError(f"line {line + 1}: not valid CSV ({e}; a quote left open, or one inside an unquoted "
+                         "field): quote a field that holds commas, quotes or line breaks, doubling its quotes"
+                         ) from None
     return header, rows
 
 
@@ -78,13 +84,23 @@ def read_problems(path: str | Path) -> list[Problem]:
     """A CSV with columns id, problem and optionally answer (an integer), checked as Kaggle's gateway
     would read it: blank rows are an error (see check_blank_rows), as are empty and duplicate ids."""
     path = Path(path)
-    cols, rows = csv_rows(read_csv_text(path))
+    text = read_csv_text(path)
+    try:
+        cols, rows = csv_rows(text)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
     for need in ("id", "problem"):
         if need not in cols:
             raise ValueError(f"{path}: missing column {need!r} (columns: {', '.join(cols) or 'none'})")
+    twice = sorted({c for c in cols if cols.count(c) > 1})
+    if twice:
+        raise ValueError(f"{path}: column{'s' if len(twice) > 1 else ''} {', '.join(map(repr, twice))} given twice")
     check_blank_rows(path, rows)
     out, seen = [], set()
     for row_no, fields in rows:
+        if len(fields) > len(cols):  # an unquoted comma cut the problem short and moved the rest along
+            raise ValueError(f"{path}: line {row_no}: {len(fields)} fields under a header of {len(cols)} "
+                             f"({', '.join(cols)}): quote a problem that holds commas")
         row = dict(zip(cols, fields))
         pid, text = (row.get("id") or "").strip(), (row.get("problem") or "").strip()
         if not pid or not text:

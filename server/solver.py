@@ -197,6 +197,11 @@ class Solver:
     async def solve(self, problem_id: str, problem: str, deadline: Optional[float] = None,
                     expected: Optional[int] = None) -> SolveResult:
         t0 = time.monotonic()
+        too_long = self._too_long(problem)
+        if too_long:  # refused untokenized: tokenizing megabytes held the event loop past the problem's budget
+            trace = SampleTrace(sample=0, seed=0, finish="error", error=too_long)
+            return SolveResult(problem_id, self.config.default_answer, {}, "all", time.monotonic() - t0, [trace],
+                               expected, True)
         prompt = prompt_ids(self.engine, problem, self.system_prompt)
         ended, rule = await self._attempt(problem_id, problem, prompt, deadline, 0)
         attempts, lost = 1, tool_failure(ended)
@@ -214,6 +219,16 @@ class Solver:
                                self.config.weight_cap)
         return SolveResult(problem_id, self.config.default_answer if winner is None else winner, weights, rule,
                            time.monotonic() - t0, ended, expected, winner is None, attempts, lost)
+
+    def _too_long(self, problem: str) -> str:
+        """Why the problem cannot fit the engine's prompt ('' when it may): more characters than
+        max_input_len tokens can hold, told without tokenizing it (engines that know their limit)."""
+        limit_of = getattr(self.engine, "prompt_char_limit", None)
+        limit = limit_of() if callable(limit_of) else None
+        if limit is None or len(problem) <= limit:
+            return ""
+        return (f"problem of {len(problem)} characters: more than max_input_len "
+                f"{getattr(self.engine, 'max_input_len', None)} tokens can hold")
 
     @staticmethod
     def _time_left(deadline: Optional[float]) -> float:

@@ -165,7 +165,7 @@ class EngineBase:
         if self._closed:
             raise RuntimeError(f"{self.name} engine is closed")
         text = request.prompt if isinstance(request.prompt, str) else None
-        limit = self._prompt_char_limit() if text is not None else None
+        limit = self.prompt_char_limit() if text is not None else None
         too_long = limit is not None and len(text or "") > limit
         prompt = [] if too_long else self.tokenize(text) if text is not None else [int(t) for t in request.prompt]
         stream = RequestStream(request, prompt, self.tokenizer, asyncio.get_running_loop(), self._outbox)
@@ -177,7 +177,7 @@ class EngineBase:
         async for ev in stream.events(lambda: self.cancel(request.request_id)):
             yield ev
 
-    def _prompt_char_limit(self) -> Optional[int]:
+    def prompt_char_limit(self) -> Optional[int]:
         """Characters past which a text prompt cannot fit max_input_len tokens (None: no limit known)."""
         limit = getattr(self, "max_input_len", None)
         if not limit:

@@ -32,6 +32,10 @@ def test_a_bom_and_a_1mb_field_are_read(tmp_path):
     (b"id,problem,answer\na,x,seven\n", "line 2: column 'answer' must be an integer"),
     (b"id,problem,answer\na,\"x\ny\",1\nb,z,seven\n", "line 4: column 'answer' must be an integer"),  # physical lines
     (b"id,problem\na,x\nb,\n", "line 3: empty id or problem"),
+    # an unquoted comma cut the problem short; a quote left open swallowed every later row (stop 51's probe)
+    (b"id,problem\na,Find the sum of 1, 2 and 3.\n", "line 2: 3 fields under a header of 2"),
+    (b"id,problem,answer\na,\"never closed,2\nb,x,3\n", "line 2: not valid CSV"),
+    (b"id,problem,problem\na,x,y\n", "column 'problem' given twice"),
 ])
 def test_bad_csvs_name_the_file_and_line(tmp_path, content, words):
     assert_refused(tmp_path / "p.csv", content, read_problems, ValueError, words)

@@ -378,3 +378,20 @@ def test_the_problem_enters_the_prompt_literally(tiny_models):
         turns = 2 if system else 1  # the system's and the user's, then the assistant's open turn
         assert (ids.count(start), ids.count(end)) == (turns + 1, turns), ids
         assert eng.tokenizer.decode(ids, skip_special_tokens=False) == eng.chat_prompt(forged, system)  # same text
+
+
+def test_a_problem_longer_than_the_prompt_can_hold_fails_untokenized(pool):
+    """A 5 MB problem was tokenized in full (16 s, the whole budget) before max_input_len refused it: an engine
+    that knows its limit in characters refuses it first, and the problem gets the default answer at once."""
+    eng = ScriptedEngine(answers_script([7, 7, 7], [1, 1, 1]))
+    eng.max_input_len, eng.prompt_char_limit = 100, lambda: 400
+    tokenized = []
+    real = eng.tokenize
+    eng.tokenize = lambda text, literal=False: tokenized.append(len(text)) or real(text, literal)
+    client = TIRClient(eng, pool, sampling=SamplingParams(temperature=0, max_tokens=100), stateful=False)
+    solver = Solver(eng, client, SolverSpec(samples=2, early_stop_first=1, early_stop_agree=1, enough_finished=1))
+    r = asyncio.run(solver.solve("big", "x" * 401))
+    assert r.default_used and r.traces[0].finish == "error" and "problem of 401 characters" in r.traces[0].error
+    assert tokenized == [] and eng.requests == []
+    r = asyncio.run(solver.solve("fits", "x" * 10))
+    assert r.answer == 7 and not r.default_used

@@ -48,7 +48,10 @@ def read_frame(path: Path) -> Any:
         raise GatewayError(f"{path}: needs the columns id (first) and problem (got {frame.columns})")
     if frame.height == 0:
         raise GatewayError(f"{path}: no problems")
-    _, rows = csv_rows(text)
+    try:
+        _, rows = csv_rows(text)
+    except ValueError as e:
+        raise GatewayError(f"{path}: {e}") from None
     try:
         check_blank_rows(path, rows)
     except ValueError as e:
