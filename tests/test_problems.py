@@ -147,3 +147,27 @@ def test_the_log_says_when_every_sample_failed():
     asyncio.run(run_problems(Fails(), [Problem("long", "x")], TimeBudget(BudgetSpec(base_seconds=10), 1),
                              progress=logs.append))
     assert "every sample failed: prompt of 3000 tokens: must be 1..2048 (max_input_len)" in logs[-1]
+
+
+def test_a_run_folder_keeps_the_earlier_runs_results_and_refuses_a_file(tmp_path):
+    """solve --out on an earlier run's folder overwrote its results.json and traces.jsonl; a file or a path
+    under one ended in a traceback after the engine loaded."""
+    from server.programs.solve import prepare_out
+
+    said: list[str] = []
+    out = tmp_path / "run"
+    prepare_out(out, said.append)
+    assert out.is_dir() and said == []
+    (out / "results.json").write_text('{"first": 1}')
+    (out / "traces.jsonl").mkdir()  # even a folder where the traces go is moved, not written into
+    prepare_out(out, said.append)
+    [aside] = [p for p in out.iterdir() if p.name.startswith("previous-")]
+    assert (aside / "results.json").read_text() == '{"first": 1}' and (aside / "traces.jsonl").is_dir()
+    assert not (out / "results.json").exists() and "moved to" in said[0]
+    (out / "results.json").write_text('{"second": 2}')
+    prepare_out(out, said.append)  # the same second: another folder
+    assert len([p for p in out.iterdir() if p.name.startswith("previous-")]) == 2
+    (tmp_path / "afile").write_text("x")
+    for bad in (tmp_path / "afile", tmp_path / "afile" / "sub"):
+        with pytest.raises(ValueError, match=f"--out {bad}: "):
+            prepare_out(bad, said.append)

@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -57,6 +58,37 @@ class ResultsWriter:
                      + ", ".join(f"{r.problem_id}={r.answer}" for r in report.results))
 
 
+RUN_FILES = ("results.json", "traces.jsonl")
+
+
+def prepare_out(out: Path, log: Any) -> None:
+    """The run's folder, made before the engine loads (an error names --out); an earlier run's results and
+    traces there are moved into `previous-<time>/` beside them rather than overwritten."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out}: exists and is not a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--out {out}: the folder cannot be made ({e.strerror or e})") from None
+    earlier = [out / name for name in RUN_FILES if (out / name).exists() or (out / name).is_symlink()]
+    if not earlier:
+        return
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(max(p.lstat().st_mtime for p in earlier)))
+    aside = out / f"previous-{stamp}"
+    n = 1
+    while aside.exists():
+        n += 1
+        aside = out / f"previous-{stamp}-{n}"
+    try:
+        aside.mkdir()
+        for p in earlier:
+            p.rename(aside / p.name)
+    except OSError as e:
+        raise ValueError(f"--out {out}: the earlier run's {', '.join(p.name for p in earlier)} could not be moved "
+                         f"aside ({e.strerror or e}); pick another --out") from None
+    log(f"[solve] {out} held an earlier run: its {', '.join(p.name for p in earlier)} moved to {aside}")
+
+
 async def _main(args: argparse.Namespace) -> int:
     from server.budget import TimeBudget
     from server.problems import log, read_problems, run_problems
@@ -65,7 +97,7 @@ async def _main(args: argparse.Namespace) -> int:
     serving = serving_settings(recipe)
     problems = read_problems(args.problems)
     out = Path(args.out or f"runs/{recipe.name}/{Path(args.problems).stem}")
-    out.mkdir(parents=True, exist_ok=True)
+    prepare_out(out, log)
     log(f"[solve] {len(problems)} problems from {args.problems}; loading the {recipe.name} engine")
     engine = open_for_recipe(recipe, args.backend, args.triton_url, args.url, serving)
     sandbox = sandbox_for(serving.tool)
@@ -115,7 +147,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     except KeyboardInterrupt:  # after _main printed and wrote what was done
         print("solve: interrupted", file=sys.stderr)
         return INTERRUPTED
-    except (RecipeError, ValueError, FileNotFoundError, RuntimeError, ConnectionError) as e:
+    except (RecipeError, ValueError, OSError, RuntimeError, ConnectionError) as e:
         print(f"solve: {e}", file=sys.stderr)
         return 2
 
