@@ -29,6 +29,8 @@ def _is_count(v: Any) -> bool:
 def read_header(path: Path) -> tuple[dict[str, dict[str, Any]], int]:
     """(tensor name -> its entry, without `__metadata__`; the header's length in bytes). Every entry has a
     dtype, a shape of counts and data offsets inside the file's data."""
+    if not path.is_file():  # a FIFO or a device would block the read, a folder fail obscurely
+        raise SafetensorsError(f"{path}: not a regular file")
     size = path.stat().st_size
     with path.open("rb") as f:
         head = f.read(8)

@@ -29,6 +29,7 @@ import importlib.util
 from pathlib import Path
 from typing import Any, Optional
 
+from aimo_spec.engine_file import check_engine_spec
 from aimo_spec.jsonfile import read_json
 from aimo_spec.layout import ENGINE_FILE, Layout
 from aimo_spec.recipe import ServingSpec
@@ -55,10 +56,7 @@ def read_engine_file(folder: str | Path) -> dict[str, Any]:
     """`engine.json` of an engine folder, with errors that name the file and what is wrong."""
     path = Path(folder) / ENGINE_FILE
     spec = read_json(path, "no engine folder here; run `make engine` first", "rebuild it with `make build`")
-    if not isinstance(spec, dict) or spec.get("backend") not in DRIVERS:
-        raise ValueError(f"{path}: backend must be one of {', '.join(DRIVERS)} "
-                         f"(got {spec.get('backend') if isinstance(spec, dict) else spec!r})")
-    return spec
+    return check_engine_spec(spec, path)
 
 
 def open_engine(folder: str | Path, serving: Optional[ServingSpec] = None, **overrides: Any) -> Any:
@@ -66,8 +64,12 @@ def open_engine(folder: str | Path, serving: Optional[ServingSpec] = None, **ove
     the command's settings (`serving_settings`), which the embedded engine runs with (without them:
     the defaults under the command's environment)."""
     spec = read_engine_file(folder)
-    if spec["backend"] == "embedded" and serving is not None:
-        overrides["serving"] = serving
+    if spec["backend"] == "embedded":  # every file it loads, from headers: a damaged one is named before loading
+        from server.engine_check import check_engine_folder
+
+        check_engine_folder(folder)
+        if serving is not None:
+            overrides["serving"] = serving
     return driver(spec["backend"]).from_dir(folder, **overrides)
 
 

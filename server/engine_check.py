@@ -9,6 +9,7 @@ its `config.json` and a non-empty `rank*.engine` per rank.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,14 @@ def check_safetensors(path: Path) -> None:
         raise EngineFolderError(str(e)) from None
 
 
+def _check_json(path: Path) -> None:
+    """A JSON file the loaders read (a config, a tokenizer) parses, or an error naming it."""
+    try:
+        json.loads(path.read_bytes())
+    except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise EngineFolderError(f"{path}: not valid JSON ({str(e)[:200]})") from None
+
+
 def _check_model_folder(model: Path, weights: bool) -> None:
     """A model folder's tokenizer and, with `weights`, its weights: a GGUF file (served by llama.cpp) or
     config.json + safetensors, each checked against its own header."""
@@ -38,6 +47,9 @@ def _check_model_folder(model: Path, weights: bool) -> None:
         raise EngineFolderError(f"{model}: missing (the engine's model/tokenizer folder); copy the whole build folder")
     if not any((model / t).is_file() for t in TOKENIZER_FILES):
         raise EngineFolderError(f"{model}: no tokenizer ({', '.join(TOKENIZER_FILES)})")
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        if (model / name).is_file():
+            _check_json(model / name)
     if not weights:
         return
     if (model / GGUF_FILE).is_file():
@@ -85,6 +97,14 @@ def check_engine_folder(folder: str | Path) -> dict[str, Any]:
     _check_model_folder(model, spec["backend"] == "embedded")
     if spec["backend"] == "embedded" and spec.get("cpu_model_dir"):  # the weights a CPU serves (cpu_quantization)
         _check_model_folder(folder / str(spec["cpu_model_dir"]), True)
+    if spec["backend"] == "embedded" and spec.get("drafter_dir"):  # the ReDrafter head
+        drafter = folder / spec["drafter_dir"]
+        for name in ("config.json", "model.safetensors"):
+            if not (drafter / name).is_file():
+                raise EngineFolderError(f"{drafter / name}: missing (the engine's drafter; copy the whole build "
+                                        "folder)")
+        _check_json(drafter / "config.json")
+        check_safetensors(drafter / "model.safetensors")
     if spec["backend"] == "trtllm":
         trt = folder / str(spec.get("engine_dir", "engine"))
         if not (trt / "config.json").is_file():

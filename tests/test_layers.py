@@ -32,7 +32,7 @@ RUNTIME_FLOORS = (  # inside server/: module prefixes per floor, bottom up; anyt
     ("server.textstream", "server.stream", "server.answers", "server.answer_latex", "server.budget", "server.tables"),
     ("server.embedded.", "server.trtllm.engine", "server.triton.engine", "server.triton.interface",
      "server.openai.engine", "server.openai.replicas", "server.openai.routing", "server.openai.probe",
-     "server.openai.remote_completion", "server.openai.connections", "server.backends"),
+     "server.openai.remote_completion", "server.openai.connections", "server.backends", "server.engine_check"),
     ("server.toolerrors", "server.tir", "server.solver", "server.metrics", "server.problems", "server.assembly"),
 )
 

@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
+from aimo_spec.engine_file import check_engine_spec
 from aimo_spec.jsonfile import read_json
 from aimo_spec.layout import ENGINE_FILE, GGUF_FILE
 from aimo_spec.recipe import Recipe, ServingSpec
@@ -134,8 +135,9 @@ def engine_options(engine_dir: str | Path, overrides: dict[str, Any]) -> tuple[P
                           "kv_cache_dtype": serving.kv_cache_dtype}
     if spec_file.is_file():
         spec = read_json(spec_file, "no engine folder here; run `make engine` first", "rebuild it with `make build`")
-        if spec.get("backend") != "embedded":
-            raise ValueError(f"{spec_file}: backend is {spec.get('backend')!r}, not 'embedded'")
+        if isinstance(spec, dict) and spec.get("backend") != "embedded":
+            raise ValueError(f"{spec_file}: backend is {repr(spec.get('backend'))[:200]}, not 'embedded'")
+        spec = check_engine_spec(spec, spec_file)
         deterministic = overrides.get("deterministic", serving.deterministic)
         key = ("model_dir" if weights == "main" else
                _weights_key(spec, overrides.get("device") or serving.device, mode, deterministic))

@@ -1,0 +1,89 @@
+"""engine.json and the engine folder under a hostile probe (stop 51): every value the serving code reads is
+checked before anything loads, with the file, key and value named; files the loaders read are checked from
+their headers (a FIFO where the weights go no longer blocks the check)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from aimo_spec.engine_file import check_engine_spec
+from aimo_spec.safetensors_header import SafetensorsError, read_header
+
+GOOD = {"backend": "embedded", "model_dir": "model", "drafter_dir": "drafter",
+        "limits": {"max_batch_size": 16, "max_input_len": 2048, "max_seq_len": 4096, "max_num_tokens": 8192,
+                   "tp_size": 1},
+        "drafter": {"num_beams": 1, "draft_len_per_beam": 3}}
+
+
+def changed(path: str, value: object) -> dict:
+    spec = json.loads(json.dumps(GOOD))
+    *parents, last = path.split(".")
+    node = spec
+    for key in parents:
+        node = node[key]
+    if value is KeyError:
+        del node[last]
+    else:
+        node[last] = value
+    return spec
+
+
+def test_a_built_engine_file_passes():
+    assert check_engine_spec(GOOD, Path("e/engine.json")) is GOOD
+
+
+@pytest.mark.parametrize("path, value, words", [
+    ("limits.max_batch_size", 0, "limits.max_batch_size: an integer >= 1 (got 0)"),  # loaded, then admitted nothing
+    ("limits.max_seq_len", 10 ** 12, "limits.max_seq_len: at most"),  # the process was killed for memory
+    ("limits.max_seq_len", -5, "limits.max_seq_len: an integer >= 1 (got -5)"),
+    ("limits.max_seq_len", 4096.5, "limits.max_seq_len: an integer >= 1"),
+    ("limits.max_batch_size", "16", "limits.max_batch_size: an integer >= 1 (got '16')"),
+    ("limits.max_input_len", 100000, "limits.max_input_len: at most limits.max_seq_len (4096)"),
+    ("limits.tp_size", True, "limits.tp_size: an integer >= 1 (got True)"),
+    ("limits", KeyError, "limits: a mapping"),  # KeyError: 'limits' before
+    ("limits", "big", "limits: a mapping"),
+    ("backend", ["embedded"], "backend: must be one of embedded, trtllm"),  # TypeError: unhashable before
+    ("model_dir", KeyError, "model_dir: a folder inside the engine folder"),
+    ("model_dir", 5, "model_dir: a folder inside the engine folder, named relative to it (got 5)"),
+    ("model_dir", "../../etc", "model_dir: a folder inside the engine folder"),
+    ("drafter_dir", "/abs/drafter", "drafter_dir: a folder inside the engine folder"),
+    ("drafter.num_beams", 0, "drafter.num_beams: an integer in 1..64 (got 0)"),  # IndexError in every request
+    ("drafter.draft_len_per_beam", "x", "drafter.draft_len_per_beam: an integer in 1..64"),
+    ("drafter", [1], "drafter: a mapping"),
+])
+def test_a_bad_value_is_named_with_its_file_and_key(path, value, words):
+    with pytest.raises(ValueError) as e:
+        check_engine_spec(changed(path, value), Path("e/engine.json"))
+    assert str(e.value).startswith("e/engine.json: ") and words in str(e.value), str(e.value)
+    with pytest.raises(ValueError, match="an engine file is a JSON object"):
+        check_engine_spec([GOOD], Path("e/engine.json"))
+
+
+def test_a_fifo_where_the_weights_go_is_refused_without_blocking(tmp_path):
+    fifo = tmp_path / "model.safetensors"
+    os.mkfifo(fifo)
+    with pytest.raises(SafetensorsError, match="not a regular file"):
+        read_header(fifo)
+
+
+def test_the_engine_check_reads_the_drafter_and_the_json_files(tmp_path, tiny_models):
+    from kaggle_kit import engine_folder
+
+    from server.engine_check import EngineFolderError, check_engine_folder
+
+    folder = engine_folder(tmp_path, tiny_models)
+    spec = check_engine_folder(folder)
+    (folder / "model" / "tokenizer.json").write_text('{"garbage": ')
+    with pytest.raises(EngineFolderError, match=r"model/tokenizer.json: not valid JSON"):
+        check_engine_folder(folder)
+    (folder / "model" / "tokenizer.json").unlink()
+    if not (folder / "model" / "tokenizer_config.json").is_file():
+        return
+    (folder / "drafter").mkdir(exist_ok=True)
+    (folder / "engine.json").write_text(json.dumps({**spec, "drafter_dir": "drafter"}))
+    with pytest.raises(EngineFolderError, match=r"drafter/config.json: missing \(the engine's drafter"):
+        check_engine_folder(folder)
