@@ -26,6 +26,41 @@ def render_prompt(tokenizer: Any, problem: str, system_prompt: Optional[str] = N
                                          add_generation_prompt=True)
 
 
+TEMPLATE_CHECK_SECONDS = 10.0
+TEMPLATE_CHECK_PROBLEM = "What is 1 + 1?"
+
+
+def check_template(tokenizer: Any, where: str, seconds: float = TEMPLATE_CHECK_SECONDS) -> None:
+    """The chat template renders a one-line problem, with the problem in it, within `seconds`; else a
+    ValueError naming `where` (the model folder). Checked when an engine loads: a template from a copied or
+    edited folder that raised failed the run at its first problem, and one that looped (nested ranges pass
+    jinja's sandbox) held the event loop past every deadline. The render runs in a thread of its own,
+    abandoned (it is a daemon) when it does not return."""
+    import threading
+
+    box: dict[str, Any] = {}
+
+    def render() -> None:
+        try:
+            box["text"] = render_prompt(tokenizer, TEMPLATE_CHECK_PROBLEM)
+        except Exception as e:  # noqa: BLE001 - whatever the template raises is the answer
+            box["error"] = e
+
+    worker = threading.Thread(target=render, name="chat-template-check", daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if worker.is_alive():
+        raise ValueError(f"{where}: the chat template did not render a one-line problem in {seconds:g} s (a loop in "
+                         "chat_template.jinja or tokenizer_config.json's chat_template?)")
+    if "error" in box:
+        e = box["error"]
+        raise ValueError(f"{where}: the chat template fails on a one-line problem ({type(e).__name__}: "
+                         f"{str(e)[:200]})")
+    if not isinstance(box.get("text"), str) or TEMPLATE_CHECK_PROBLEM not in box["text"]:
+        raise ValueError(f"{where}: the chat template does not write the problem into the prompt (got "
+                         f"{repr(box.get('text'))[:200]})")
+
+
 def encode(tokenizer: Any, text: str) -> list[int]:
     """Token ids of already chat-formatted text (the template supplies the special tokens)."""
     return tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -199,10 +199,12 @@ class Solver:
         t0 = time.monotonic()
         too_long = self._too_long(problem)
         if too_long:  # refused untokenized: tokenizing megabytes held the event loop past the problem's budget
-            trace = SampleTrace(sample=0, seed=0, finish="error", error=too_long)
-            return SolveResult(problem_id, self.config.default_answer, {}, "all", time.monotonic() - t0, [trace],
-                               expected, True)
-        prompt = prompt_ids(self.engine, problem, self.system_prompt)
+            return self._unasked(problem_id, too_long, t0, expected)
+        try:
+            prompt = prompt_ids(self.engine, problem, self.system_prompt)
+        except Exception as e:  # noqa: BLE001 - a template that fails on this problem's text: this problem fails
+            return self._unasked(problem_id, f"the chat prompt could not be made ({type(e).__name__}: "
+                                             f"{str(e)[:200]})", t0, expected)
         ended, rule = await self._attempt(problem_id, problem, prompt, deadline, 0)
         attempts, lost = 1, tool_failure(ended)
         why = lost
@@ -219,6 +221,12 @@ class Solver:
                                self.config.weight_cap)
         return SolveResult(problem_id, self.config.default_answer if winner is None else winner, weights, rule,
                            time.monotonic() - t0, ended, expected, winner is None, attempts, lost)
+
+    def _unasked(self, problem_id: str, why: str, t0: float, expected: Optional[int]) -> SolveResult:
+        """A problem no sample could be started for: the default answer, one error trace saying why."""
+        trace = SampleTrace(sample=0, seed=0, finish="error", error=why)
+        return SolveResult(problem_id, self.config.default_answer, {}, "all", time.monotonic() - t0, [trace],
+                           expected, True)
 
     def _too_long(self, problem: str) -> str:
         """Why the problem cannot fit the engine's prompt ('' when it may): more characters than

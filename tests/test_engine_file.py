@@ -87,3 +87,41 @@ def test_the_engine_check_reads_the_drafter_and_the_json_files(tmp_path, tiny_mo
     (folder / "engine.json").write_text(json.dumps({**spec, "drafter_dir": "drafter"}))
     with pytest.raises(EngineFolderError, match=r"drafter/config.json: missing \(the engine's drafter"):
         check_engine_folder(folder)
+
+
+@pytest.mark.parametrize("template, words", [
+    ("{{ raise_exception('boom') }}", "fails on a one-line problem (TemplateError: boom)"),
+    ("nothing of the messages", "does not write the problem into the prompt"),
+])
+def test_a_chat_template_that_loops_raises_or_drops_the_problem_is_named(tiny_models, template, words):
+    """A looping template held solve past every budget (nested ranges pass jinja's sandbox), a raising one
+    failed the run at its first problem with a traceback: the engine checks it when it loads."""
+    from aimo_spec.chat import check_template, load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_models["llama-tir"])
+    check_template(tokenizer, "m")
+    tokenizer.chat_template = template
+    with pytest.raises(ValueError) as e:
+        check_template(tokenizer, "model-folder", seconds=0.5)
+    assert str(e.value).startswith("model-folder: the chat template") and words in str(e.value), str(e.value)
+
+
+def test_a_chat_template_that_does_not_return_is_abandoned_in_time():
+    """The probe's template looped 99999 x 99999 times (nested ranges pass jinja's sandbox) and held solve
+    past every budget; here a render that waits stands for it (no CPU burnt), released after the check."""
+    import threading
+
+    from aimo_spec.chat import check_template
+
+    release = threading.Event()
+
+    class Stuck:
+        def apply_chat_template(self, *args, **kwargs):
+            release.wait(60)
+            return ""
+    try:
+        with pytest.raises(ValueError, match="model-folder: the chat template did not render a one-line problem in "
+                                             "0.2 s"):
+            check_template(Stuck(), "model-folder", seconds=0.2)
+    finally:
+        release.set()

@@ -395,3 +395,20 @@ def test_a_problem_longer_than_the_prompt_can_hold_fails_untokenized(pool):
     assert tokenized == [] and eng.requests == []
     r = asyncio.run(solver.solve("fits", "x" * 10))
     assert r.answer == 7 and not r.default_used
+
+
+def test_a_chat_template_that_fails_on_one_problem_fails_that_problem(pool):
+    eng = ScriptedEngine(answers_script([7, 7, 7], [1, 1, 1]))
+    real = eng.chat_prompt
+
+    def chat_prompt(problem, system_prompt=None):
+        if "forbidden" in problem:
+            raise ValueError("the template refuses it")
+        return real(problem, system_prompt)
+    eng.chat_prompt = chat_prompt
+    client = TIRClient(eng, pool, sampling=SamplingParams(temperature=0, max_tokens=100), stateful=False)
+    solver = Solver(eng, client, SolverSpec(samples=2, early_stop_first=1, early_stop_agree=1, enough_finished=1))
+    r = asyncio.run(solver.solve("bad", "a forbidden problem"))
+    assert r.default_used and "the chat prompt could not be made (ValueError: the template refuses it)" in \
+        r.traces[0].error
+    assert asyncio.run(solver.solve("fine", "a problem")).answer == 7

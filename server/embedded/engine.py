@@ -299,15 +299,17 @@ def _refuse_queued(inbox: queue.Queue, error: str) -> None:
 
 def _load_folder(model_dir: Path, gguf: bool) -> tuple[Any, Any]:
     """(model, tokenizer) of a model folder: its GGUF file through llama.cpp, or its HF checkpoint."""
-    from aimo_spec.chat import load_tokenizer
+    from aimo_spec.chat import check_template, load_tokenizer
 
+    tokenizer = load_tokenizer(model_dir)
+    check_template(tokenizer, str(model_dir))  # before the weights load: a broken template fails in seconds
     if gguf:
         from server.embedded.llamacpp_runner import LlamaCppModel
 
-        return LlamaCppModel.load(model_dir / GGUF_FILE), load_tokenizer(model_dir)
+        return LlamaCppModel.load(model_dir / GGUF_FILE), tokenizer
     from server.embedded.loader import load_model
 
-    return load_model(model_dir), load_tokenizer(model_dir)
+    return load_model(model_dir), tokenizer
 
 
 def _load_here(model: Any, tokenizer: Any, load: Optional[Callable[[], tuple[Any, Any]]], threads: Optional[int],
