@@ -103,7 +103,14 @@ def load_tokenizer(path: str | Path) -> Any:
     """The HF tokenizer of a checkpoint or engine `model/` folder (pad falls back to eos)."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(path))
+    if not Path(path).is_dir():  # else transformers takes the name for a hub repository and says so
+        raise FileNotFoundError(f"{path}: no such folder (a tokenizer's)")
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path))
+    except ImportError:  # a missing library is a setup matter, said as transformers says it
+        raise
+    except Exception as e:  # noqa: BLE001 - a broken tokenizer.json raised KeyError or a bare JSON error
+        raise ValueError(f"{path}: the tokenizer could not be loaded ({type(e).__name__}: {str(e)[:200]})") from None
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok

@@ -125,3 +125,18 @@ def test_a_chat_template_that_does_not_return_is_abandoned_in_time():
             check_template(Stuck(), "model-folder", seconds=0.2)
     finally:
         release.set()
+
+
+def test_a_broken_tokenizer_is_named_by_its_folder(tmp_path, tiny_models):
+    import shutil
+
+    from aimo_spec.chat import load_tokenizer
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_models["llama-tir"], folder)
+    load_tokenizer(folder)
+    (folder / "tokenizer.json").write_text('{"version": "1.0"}')  # valid JSON of the wrong shape: KeyError before
+    with pytest.raises(ValueError, match=f"{folder}: the tokenizer could not be loaded"):
+        load_tokenizer(folder)
+    with pytest.raises(FileNotFoundError, match="no such folder"):
+        load_tokenizer(tmp_path / "nope")
