@@ -20,7 +20,9 @@ from typing import Any, Literal, Union
 
 import yaml
 
+from aimo_spec.engine_file import MAX_BATCH, MAX_DRAFT_TOKENS, MAX_SEQ_TOKENS
 from aimo_spec.layout import is_gguf
+from aimo_spec.protocol import MAX_TOP_LOGPROBS
 from aimo_spec.schema import (  # noqa: F401 (re-exported: callers import the shapes from here)
     ANSWER_MARGIN_SECONDS,
     ANSWER_RANGES,
@@ -69,8 +71,10 @@ def shown(value: Any) -> str:
 
 # The recipe's name and its sources' names become folders (engines/<name>/sources/<source>/, replaced whole
 # when a stage reruns): a name such as '../../x' or '.' would put them, and the removal, outside the output
-NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,99}")
-NAME_RULE = "use letters, digits, '-' and '_' only (starting with a letter or digit, at most 100)"
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+NAME_RULE = "use letters, digits, '.', '-' and '_' only (starting with a letter or digit, at most 100)"
+# a package's import name: a dot would name a subpackage (and import its parent to look inside)
+PACKAGE_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,99}")
 
 
 def is_name(text: Any) -> bool:
@@ -105,21 +109,29 @@ def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
     text = loader.construct_scalar(node)
     sign, digits = (-1, text[1:]) if text[0] == "-" else (1, text.lstrip("+"))
     base = 16 if digits.startswith("0x") else 8 if digits.startswith("0o") else 10
-    return sign * int(digits[2:] if base != 10 else digits, base)
+    try:
+        return sign * int(digits[2:] if base != 10 else digits, base)
+    except ValueError:  # past Python's 4300 digits for a decimal conversion
+        raise yaml.constructor.ConstructorError(None, None, f"a number of {len(digits)} digits",
+                                                node.start_mark) from None
 
 
 def _construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict:
-    loader.flatten_mapping(node)  # merge keys (<<) first: a key may override what it merges
+    """The mapping's own keys must differ (a key it merges with `<<` may be overridden: that is what merging
+    is for, and the first of several merged mappings wins, as YAML says)."""
     seen: dict[Any, int] = {}
     for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue
         key = loader.construct_object(key_node, deep=True)
         if not isinstance(key, typing.Hashable):
             raise yaml.constructor.ConstructorError(None, None, f"a mapping key must be a plain value (got "
                                                     f"{shown(key)})", key_node.start_mark)
-        if key in seen and key_node.start_mark.line != seen[key]:
+        if key in seen:
             raise yaml.constructor.ConstructorError(
                 None, None, f"duplicate key {shown(key)} (first on line {seen[key] + 1})", key_node.start_mark)
-        seen.setdefault(key, key_node.start_mark.line)
+        seen[key] = key_node.start_mark.line
+    loader.flatten_mapping(node)
     return loader.construct_mapping(node, deep=True)
 
 
@@ -283,6 +295,10 @@ def _check(recipe: Recipe, where: str, check_paths: bool) -> None:
             fail(f"build.{k}", "must be positive", getattr(b, k))
     if b.max_input_len > b.max_seq_len:
         fail("build.max_input_len", f"must not exceed build.max_seq_len ({b.max_seq_len})", b.max_input_len)
+    if b.max_seq_len > MAX_SEQ_TOKENS:  # the engine file's bounds: a folder built past them would not load
+        fail("build.max_seq_len", f"at most {MAX_SEQ_TOKENS} tokens", b.max_seq_len)
+    if b.max_batch_size > MAX_BATCH:
+        fail("build.max_batch_size", f"at most {MAX_BATCH} sequences", b.max_batch_size)
     d = recipe.drafter
     if d.kind == "none" and d.path:
         fail("drafter.path", "names a drafter, but drafter.kind is none (set kind: redrafter, or drop the path)",
@@ -296,8 +312,8 @@ def _check(recipe: Recipe, where: str, check_paths: bool) -> None:
             fail("drafter.path", f"no model.safetensors in {folder} (a ReDrafter head's folder, as the drafter "
                                  "stage writes it)", d.path)
     for k in ("num_beams", "draft_len_per_beam"):
-        if getattr(d, k) < 1:
-            fail(f"drafter.{k}", "must be >= 1", getattr(d, k))
+        if not 1 <= getattr(d, k) <= MAX_DRAFT_TOKENS:
+            fail(f"drafter.{k}", f"must be in 1..{MAX_DRAFT_TOKENS}", getattr(d, k))
     if d.kind == "redrafter" and is_gguf(b.quantization):
         fail("drafter.kind", f"llama.cpp serves {b.quantization} without speculative decoding (no drafter); "
                              "use none", d.kind)
@@ -361,8 +377,8 @@ def _check(recipe: Recipe, where: str, check_paths: bool) -> None:
     v = s.solver
     if v.samples < 1:
         fail("serving.solver.samples", "must be >= 1", v.samples)
-    if not (1 <= v.early_stop_first <= v.samples):
-        fail("serving.solver.early_stop_first", f"must be in 1..samples ({v.samples})", v.early_stop_first)
+    if v.early_stop_first < 1:
+        fail("serving.solver.early_stop_first", "must be >= 1", v.early_stop_first)
     if not (1 <= v.early_stop_agree <= v.early_stop_first):
         fail("serving.solver.early_stop_agree", f"must be in 1..early_stop_first ({v.early_stop_first})",
              v.early_stop_agree)
@@ -370,6 +386,8 @@ def _check(recipe: Recipe, where: str, check_paths: bool) -> None:
         fail("serving.solver.enough_finished", f"must be in 1..samples ({v.samples})", v.enough_finished)
     if v.modulus is not None and v.modulus < 2:
         fail("serving.solver.modulus", "must be >= 2 or null", v.modulus)
+    if v.top_logprobs > MAX_TOP_LOGPROBS:
+        fail("serving.solver.top_logprobs", f"at most {MAX_TOP_LOGPROBS} (as OpenAI's API)", v.top_logprobs)
     if v.vote != "majority" and v.top_logprobs < 2:
         fail("serving.solver.top_logprobs", f"the {v.vote} vote needs >= 2 logprobs per token", v.top_logprobs)
     if not v.weight_cap >= 1.0:
@@ -401,10 +419,13 @@ def _check(recipe: Recipe, where: str, check_paths: bool) -> None:
 
 def gguf_file(src: GGUFPackageSource, where: str) -> Path:
     """The GGUF file inside its installed package (found without importing it); `where` prefixes errors."""
-    if not is_name(src.package):  # a dotted name would import its parent package to look inside
-        raise RecipeError(f"{where}.package: a package's name: {NAME_RULE} (got {shown(src.package)})")
-    if "/" in src.file or "\\" in src.file or src.file in (".", "..") or not src.file.endswith(".gguf"):
-        raise RecipeError(f"{where}.file: a .gguf file's name inside the package, no folders (got {shown(src.file)})")
+    if not PACKAGE_PATTERN.fullmatch(src.package):  # a dotted name would import its parent package to look inside
+        raise RecipeError(f"{where}.package: a distribution's name: letters, digits, '-' and '_' "
+                          f"(got {shown(src.package)})")
+    parts = Path(src.file).parts
+    if not parts or Path(src.file).is_absolute() or ".." in parts or "\\" in src.file or not src.file.endswith(".gguf"):
+        raise RecipeError(f"{where}.file: a .gguf file inside the package, named relative to it "
+                          f"(got {shown(src.file)})")
     spec = importlib.util.find_spec(src.package.replace("-", "_"))
     if spec is None or not spec.submodule_search_locations:
         raise RecipeError(f"{where}.package: package {src.package!r} is not installed; run `make setup` "

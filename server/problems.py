@@ -92,7 +92,7 @@ def read_problems(path: str | Path) -> list[Problem]:
     for need in ("id", "problem"):
         if need not in cols:
             raise ValueError(f"{path}: missing column {need!r} (columns: {', '.join(cols) or 'none'})")
-    twice = sorted({c for c in cols if cols.count(c) > 1})
+    twice = [c for c in ("id", "problem", "answer") if cols.count(c) > 1]  # others, blank ones too, are not read
     if twice:
         raise ValueError(f"{path}: column{'s' if len(twice) > 1 else ''} {', '.join(map(repr, twice))} given twice")
     check_blank_rows(path, rows)

@@ -149,6 +149,11 @@ def test_the_log_says_when_every_sample_failed():
     assert "every sample failed: prompt of 3000 tokens: must be 1..2048 (max_input_len)" in logs[-1]
 
 
+def test_trailing_empty_columns_are_read_as_the_gateway_reads_them(tmp_path):
+    (tmp_path / "p.csv").write_text("id,problem,,\n1,abc,,\n")  # a spreadsheet's export
+    assert read_problems(tmp_path / "p.csv")[0].text == "abc"
+
+
 def test_a_run_folder_keeps_the_earlier_runs_results_and_refuses_a_file(tmp_path):
     """solve --out on an earlier run's folder overwrote its results.json and traces.jsonl; a file or a path
     under one ended in a traceback after the engine loaded."""

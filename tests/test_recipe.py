@@ -110,7 +110,10 @@ def test_serving_defaults_are_the_anchors():
     (lambda d: d["serving"]["sampling"].update(top_k=-1), "serving.sampling.top_k", "-1"),
     (lambda d: d["serving"]["tool"].update(memory_mb=0), "serving.tool.memory_mb", "0"),
     (lambda d: d["serving"].update(output_chars=0), "serving.output_chars", "0"),
-    (lambda d: d["serving"]["solver"].update(early_stop_first=50), "serving.solver.early_stop_first", "50"),
+    (lambda d: d["serving"]["solver"].update(early_stop_first=0), "serving.solver.early_stop_first", "0"),
+    (lambda d: d["serving"]["solver"].update(top_logprobs=25), "serving.solver.top_logprobs", "25"),
+    (lambda d: d["drafter"].update(num_beams=100), "drafter.num_beams", "100"),  # engine.json's bound
+    (lambda d: d["build"].update(max_batch_size=20000), "build.max_batch_size", "20000"),
     (lambda d: d["quality"].update(min_agreement=5.0), "quality.min_agreement", "5.0"),
     (lambda d: d["quality"].update(max_kl=-1), "quality.max_kl", "-1"),
     (lambda d: d.update(trtllm={"gpu_device_ids": [-1, -1]}), "trtllm.gpu_device_ids", "[-1, -1]"),
@@ -180,6 +183,28 @@ def test_yaml_reads_as_yaml_1_2_without_duplicate_keys(tmp_path):
         load_recipe(_written(tmp_path, base.replace("  cot:\n", "  1:\n").replace("base: cot", "base: '1'")))
 
 
+def test_merge_keys_override_and_names_may_hold_dots(tmp_path):
+    """A key a mapping merges with `<<` may be overridden (YAML's point of merging); a key given twice on one
+    line is a duplicate; model-style names (qwen2.5-math) are names; samples below the early-stop defaults."""
+    base = (ROOT / "engines" / "mix.yaml").read_text()
+    text = base.replace("  sampling: {temperature: 0.7, top_p: 0.95, top_k: 0, max_tokens: 1024}",
+                        "  sampling:\n    <<: {temperature: 0.7, top_p: 0.95, top_k: 0, max_tokens: 1024}\n"
+                        "    temperature: 0.5")
+    assert text != base
+    r = load_recipe(_written(tmp_path, text))
+    assert (r.serving.sampling.temperature, r.serving.sampling.top_p) == (0.5, 0.95)
+    with pytest.raises(RecipeError, match="duplicate key 'top_p'"):
+        load_recipe(_written(tmp_path, base.replace("top_p: 0.95, top_k: 0", "top_p: 0.95, top_p: 0.5")))
+    dotted = base.replace("  cot:\n", "  qwen2.5-math:\n").replace("base: cot", "base: qwen2.5-math").replace(
+        "{cot: 0.3, tir: 0.7}", "{qwen2.5-math: 0.3, tir: 0.7}")
+    assert "qwen2.5-math" in load_recipe(_written(tmp_path, dotted)).sources
+    few = base.replace("    samples: 12\n", "    samples: 3\n").replace("    early_stop_first: 5\n", "").replace(
+        "    early_stop_agree: 4\n", "").replace("    enough_finished: 10\n", "    enough_finished: 3\n")
+    assert load_recipe(_written(tmp_path, few)).serving.solver.samples == 3  # the solver caps the early stop
+    with pytest.raises(RecipeError, match=r"r.yaml: line \d+: not valid YAML: a number of 5000 digits"):
+        load_recipe(_written(tmp_path, base.replace("  seed: 1234\n", "  seed: " + "9" * 5000 + "\n")))
+
+
 def test_an_alias_bomb_is_quoted_short(tmp_path):
     """A few lines of YAML aliases stand for 10^9 items: quoting the value whole in the error took minutes
     and gigabytes. The error quotes a few of them (here 10^6, so that the old way stays quick)."""
@@ -196,8 +221,8 @@ def test_an_alias_bomb_is_quoted_short(tmp_path):
 
 def test_names_that_cannot_be_a_folder(tmp_path):
     base = (ROOT / "engines" / "mix.yaml").read_text().replace("name: mix\n", "")
-    with pytest.raises(RecipeError, match=r"no name key and its file name 'my.recipe' is not a name.*name: my-recipe"):
-        load_recipe(_written(tmp_path, base, "my.recipe.yaml"))
+    with pytest.raises(RecipeError, match=r"no name key and its file name 'my recipe' is not a name.*name: my-recipe"):
+        load_recipe(_written(tmp_path, base, "my recipe.yaml"))
     (tmp_path / "taken").write_text("a file where the output folder goes")
     with pytest.raises(RecipeError, match=r"name: the output folder .*taken exists and is not a folder"):
         load_recipe(_written(tmp_path, base, "taken.yaml"))

@@ -190,7 +190,10 @@ def _note_owner(recipe: Recipe) -> None:
         print(f"[trtbuild] note: {recipe.out_dir} was last built from {before}; this run, from {here}, rebuilds "
               "the stages whose inputs differ (another `name:` keeps both)", file=sys.stderr)
     if before != here:
-        mark.write_text(here + "\n", encoding="utf-8")
+        try:
+            mark.write_text(here + "\n", encoding="utf-8")
+        except OSError:  # only a note: the stages say what is wrong with the folder
+            pass
 
 
 def _run_stages(todo: tuple[str, ...], recipe: Recipe, args: argparse.Namespace) -> int:

@@ -53,14 +53,14 @@ def same_tensors(recipe: Recipe, dirs: dict[str, Path]) -> None:
     A tensor one source lacks is mergekit's to judge (a tied lm_head is optional there)."""
     from trtbuild.sources import checkpoint_tensors
 
-    shapes = [(n, checkpoint_tensors(d, f"{recipe.path}: sources.{n}")) for n, d in dirs.items()]
-    shapes = [(n, s) for n, s in shapes if s]  # sources of .bin files only: not compared
-    for (first, ref), (name, tensors) in zip(shapes, shapes[1:]):
-        for tensor in sorted(set(ref) & set(tensors)):
-            if ref[tensor] != tensors[tensor]:
+    seen: dict[str, tuple[list[int], str]] = {}  # tensor -> (shape, the first source that has it)
+    for name, d in dirs.items():
+        for tensor, shape in sorted(checkpoint_tensors(d, f"{recipe.path}: sources.{name}").items()):
+            first, ref = seen.setdefault(tensor, (shape, name))[::-1]
+            if ref != shape:  # sources of .bin files only have no shapes here: not compared
                 raise RecipeError(f"{recipe.path}: merge.weights: sources {first!r} and {name!r} cannot be merged "
-                                  f"linearly: tensor {tensor[:200]!r} is {ref[tensor]} in {first!r} and "
-                                  f"{tensors[tensor]} in {name!r} (the same architecture and size is needed)")
+                                  f"linearly: tensor {tensor[:200]!r} is {ref} in {first!r} and {shape} in "
+                                  f"{name!r} (the same architecture and size is needed)")
 
 
 def _merge(recipe: Recipe, tmp: Path, final: Path) -> dict[str, Any]:
