@@ -140,3 +140,18 @@ def test_a_broken_tokenizer_is_named_by_its_folder(tmp_path, tiny_models):
         load_tokenizer(folder)
     with pytest.raises(FileNotFoundError, match="no such folder"):
         load_tokenizer(tmp_path / "nope")
+
+
+def test_weights_that_do_not_fit_their_config_are_named_by_their_folder(tmp_path, tiny_models):
+    """A config whose sizes do not match the weights failed with torch's 'size mismatch for ...', naming no
+    folder (the probe: vocab_size changed in model/config.json)."""
+    import shutil
+
+    from server.embedded.engine import EmbeddedEngine
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_models["llama-tir"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "vocab_size": config["vocab_size"] + 100}))
+    with pytest.raises(ValueError, match=f"{folder}: the weights could not be loaded"):
+        EmbeddedEngine.from_dir(folder, device="cpu")

@@ -303,13 +303,18 @@ def _load_folder(model_dir: Path, gguf: bool) -> tuple[Any, Any]:
 
     tokenizer = load_tokenizer(model_dir)
     check_template(tokenizer, str(model_dir))  # before the weights load: a broken template fails in seconds
-    if gguf:
-        from server.embedded.llamacpp_runner import LlamaCppModel
+    try:
+        if gguf:
+            from server.embedded.llamacpp_runner import LlamaCppModel
 
-        return LlamaCppModel.load(model_dir / GGUF_FILE), tokenizer
-    from server.embedded.loader import load_model
+            return LlamaCppModel.load(model_dir / GGUF_FILE), tokenizer
+        from server.embedded.loader import load_model
 
-    return load_model(model_dir), tokenizer
+        return load_model(model_dir), tokenizer
+    except (ImportError, MemoryError):  # setup and memory say what they are
+        raise
+    except Exception as e:  # noqa: BLE001 - library errors (a shape that does not fit the config) name no file
+        raise ValueError(f"{model_dir}: the weights could not be loaded ({type(e).__name__}: {str(e)[:300]})") from e
 
 
 def _load_here(model: Any, tokenizer: Any, load: Optional[Callable[[], tuple[Any, Any]]], threads: Optional[int],
