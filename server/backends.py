@@ -59,12 +59,14 @@ def read_engine_file(folder: str | Path) -> dict[str, Any]:
     return check_engine_spec(spec, path)
 
 
-def open_engine(folder: str | Path, serving: Optional[ServingSpec] = None, **overrides: Any) -> Any:
+def open_engine(folder: str | Path, serving: Optional[ServingSpec] = None, check_folder: bool = True,
+                **overrides: Any) -> Any:
     """Serve an engine folder with the backend its `engine.json` names (embedded or trtllm). `serving`:
     the command's settings (`serving_settings`), which the embedded engine runs with (without them:
-    the defaults under the command's environment)."""
+    the defaults under the command's environment). `check_folder`: False where the caller has just run
+    `check_engine_folder` itself (the Kaggle predictor, at the notebook's start)."""
     spec = read_engine_file(folder)
-    if spec["backend"] == "embedded":  # every file it loads, from headers: a damaged one is named before loading
+    if spec["backend"] == "embedded" and check_folder:  # every file it loads, from headers: named before loading
         from server.engine_check import check_engine_folder
 
         check_engine_folder(folder)

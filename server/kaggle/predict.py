@@ -103,7 +103,7 @@ class Predictor:
 
         if self.url:
             return driver("openai")(self.url, str(self.engine_dir / self.spec.get("model_dir", "model")))
-        return open_engine(self.engine_dir, self.serving)
+        return open_engine(self.engine_dir, self.serving, check_folder=False)  # checked when this was made
 
     def _load(self) -> None:
         done = threading.Event()
