@@ -66,10 +66,11 @@ def open_engine(folder: str | Path, serving: Optional[ServingSpec] = None, check
     the defaults under the command's environment). `check_folder`: False where the caller has just run
     `check_engine_folder` itself (the Kaggle predictor, at the notebook's start)."""
     spec = read_engine_file(folder)
-    if spec["backend"] == "embedded" and check_folder:  # every file it loads, from headers: named before loading
-        from server.engine_check import check_engine_folder
+    if spec["backend"] == "embedded":
+        if check_folder:  # every file it loads, from headers: a damaged one is named before loading
+            from server.engine_check import check_engine_folder
 
-        check_engine_folder(folder)
+            check_engine_folder(folder)
         if serving is not None:
             overrides["serving"] = serving
     return driver(spec["backend"]).from_dir(folder, **overrides)

@@ -155,3 +155,27 @@ def test_weights_that_do_not_fit_their_config_are_named_by_their_folder(tmp_path
     (folder / "config.json").write_text(json.dumps({**config, "vocab_size": config["vocab_size"] + 100}))
     with pytest.raises(ValueError, match=f"{folder}: the weights could not be loaded"):
         EmbeddedEngine.from_dir(folder, device="cpu")
+
+
+@pytest.mark.parametrize("check_folder", [True, False])
+def test_open_engine_passes_the_serving_settings_whether_it_checks_the_folder_or_not(tmp_path, tiny_models,
+                                                                                      monkeypatch, check_folder):
+    """The Kaggle predictor opens its engine without a second check (check_folder=False); its serving settings
+    must reach the engine all the same (a slip in 3b9c78b dropped them there)."""
+    from kaggle_kit import engine_folder
+
+    from aimo_spec.recipe import ServingSpec
+    from server import backends
+
+    folder = engine_folder(tmp_path, tiny_models)
+    got = {}
+
+    class Driver:
+        @staticmethod
+        def from_dir(path, **kw):
+            got.update(kw)
+            return "engine"
+    monkeypatch.setattr(backends, "driver", lambda name: Driver)
+    serving = ServingSpec(device="cpu")
+    assert backends.open_engine(folder, serving, check_folder=check_folder) == "engine"
+    assert got["serving"] is serving
