@@ -118,7 +118,7 @@ def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
 
 def _construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict:
     """The mapping's own keys must differ (a key it merges with `<<` may be overridden: that is what merging
-    is for, and the first of several merged mappings wins, as YAML says)."""
+    is for; among several merged mappings PyYAML's rule holds)."""
     seen: dict[Any, int] = {}
     for key_node, _ in node.value:
         if key_node.tag == "tag:yaml.org,2002:merge":
@@ -475,6 +475,6 @@ def load_recipe(path: str | Path, check_paths: bool = True) -> Recipe:
     if "name" not in data:
         if not is_name(p.stem):
             raise RecipeError(f"{p}: name: the recipe has no name key and its file name {p.stem!r} is not a name "
-                              f"({NAME_RULE}); add one, e.g. `name: {re.sub('[^A-Za-z0-9_-]', '-', p.stem)}`")
+                              f"({NAME_RULE}); add one, e.g. `name: {re.sub('[^A-Za-z0-9._-]', '-', p.stem)}`")
         data = {"name": p.stem, **data}
     return parse_recipe(data, where=str(p), path=p.resolve(), check_paths=check_paths)

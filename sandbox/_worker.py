@@ -99,11 +99,17 @@ def _requests():
 
 # ---- kernel calls the stdlib lacks (unshare, mount, prctl)
 
-def _sys(name, *args):
+def _lib():
+    """libc, loaded once, with errno kept for ctypes.get_errno()."""
     global _libc
     if _libc is None:
         _libc = ctypes.CDLL(None, use_errno=True)
-    if getattr(_libc, name)(*args) != 0:
+    return _libc
+
+
+def _sys(name, *args):
+    libc = _lib()
+    if getattr(libc, name)(*args) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"{name}: {os.strerror(err)}")
 
@@ -211,19 +217,17 @@ def _drop_capabilities():
     drop keeps them where the harness is root. Fails closed: a cell never runs with them."""
     if os.geteuid() != 0:  # a uid drop cleared them
         return
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
+    libc = _lib()
     try:
         for cap in range(64):
-            if _libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+            if libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
                 if ctypes.get_errno() == 22:  # EINVAL: past the kernel's last capability
                     break
                 raise OSError(ctypes.get_errno(), f"prctl(PR_CAPBSET_DROP, {cap})")
-        _libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)  # EINVAL before Linux 4.3: none to clear
+        libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)  # EINVAL before Linux 4.3: none to clear
         header = ctypes.create_string_buffer(struct.pack("Ii", LINUX_CAPABILITY_VERSION_3, 0))
         data = ctypes.create_string_buffer(24)  # two (effective, permitted, inheritable) words, all zero
-        if _libc.capset(header, data) != 0:
+        if libc.capset(header, data) != 0:
             raise OSError(ctypes.get_errno(), "capset")
     except OSError as e:
         os.write(2, f"sandbox: the cell's capabilities could not be dropped: {e}\n".encode())
@@ -299,14 +303,12 @@ def _ipc_objects():
     One *_INFO call each (the `used_ids`, `semusz` and `msgpool` counts), ~100x cheaper than
     reading /proc/sysvipc.
     """
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
+    libc = _lib()
     total = 0
     for call, cmd, field in IPC_INFO_CALLS:
         buf = (ctypes.c_int * 32)()
         args = (0, 0, cmd, buf) if call == "semctl" else (0, cmd, buf)
-        if getattr(_libc, call)(*args) < 0:
+        if getattr(libc, call)(*args) < 0:
             raise OSError(ctypes.get_errno(), f"{call} info")
         total += buf[field]
     return total
@@ -759,17 +761,15 @@ def _confine_syscalls():
     prog = b"".join(struct.pack("HBBI", *ins) for ins in bpf)
     buf = ctypes.create_string_buffer(prog)
     fprog = ctypes.create_string_buffer(struct.pack("@HP", len(bpf), ctypes.addressof(buf)))  # struct sock_fprog
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
+    libc = _lib()
     if abi not in NATIVE_SYSCALLS:
-        _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-        _libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, fprog, 0, 0)
+        libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+        libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, fprog, 0, 0)
         return
     ctypes.set_errno(0)
-    done = _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+    done = libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
     if done == 0:  # else -1; with TSYNC a positive result is the thread that could not take the filter
-        done = _libc.syscall(NATIVE_SYSCALLS[abi][4], SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_TSYNC, fprog)
+        done = libc.syscall(NATIVE_SYSCALLS[abi][4], SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_TSYNC, fprog)
     if done != 0:
         why = f"thread {done} could not take it" if done > 0 else os.strerror(ctypes.get_errno())
         os.write(2, f"sandbox: the system-call filter could not be installed: {why}\n".encode())

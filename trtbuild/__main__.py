@@ -162,12 +162,9 @@ def main(argv: list[str] | None = None) -> int:
 def _check_invocation(recipe: Recipe, backend: str) -> None:
     """What the command line adds to the recipe, checked before any stage runs: the backend asked for can
     serve the recipe's quantization, and TRTBUILD_FORCE names stages that exist (a misspelt one was ignored)."""
-    from aimo_spec.layout import is_gguf
+    from trtbuild.build import refuse_gguf_on_trtllm
 
-    if backend == "trtllm" and is_gguf(recipe.build.quantization):
-        raise RecipeError(f"{recipe.path}: build.quantization: TensorRT-LLM cannot serve GGUF; build it with "
-                          f"BACKEND=embedded (or auto), or pick a ModelOpt format for trtllm "
-                          f"(got {recipe.build.quantization!r})")
+    refuse_gguf_on_trtllm(recipe, backend)
     unknown = stages.unknown_forced()
     if unknown:
         raise RecipeError(f"{stages.FORCE_ENV}: no stage named {', '.join(map(repr, unknown))} (stages: "

@@ -84,17 +84,22 @@ def engine_config(recipe: Recipe, backend: str, drafter_folder: str | None = Non
     }
 
 
+def refuse_gguf_on_trtllm(recipe: Recipe, requested: str) -> None:
+    """TensorRT-LLM cannot serve llama.cpp's format: a RecipeError naming build.quantization when both are asked."""
+    if is_gguf(recipe.build.quantization) and requested == "trtllm":
+        raise RecipeError(f"{recipe.path}: build.quantization: TensorRT-LLM cannot serve GGUF; build it with "
+                          f"BACKEND=embedded (or auto), or pick a ModelOpt format for trtllm "
+                          f"(got {recipe.build.quantization!r})")
+
+
 def run(recipe: Recipe, backend: str = "auto", trtllm_env: Any = None, runner: Any = None) -> Path:
     """Build for `backend`. `trtllm_env` and `runner` replace the probed TensorRT-LLM environment and
     the subprocess runner (the contract tests use them)."""
     from trtbuild.trtllm.preflight import drafter_dir
 
     requested = backend if backend != "auto" else recipe.build.backend
+    refuse_gguf_on_trtllm(recipe, requested)
     gguf = is_gguf(recipe.build.quantization)
-    if gguf and requested == "trtllm":
-        raise RecipeError(f"{recipe.path}: build.quantization: TensorRT-LLM cannot serve GGUF; build it with "
-                          f"BACKEND=embedded (or auto), or pick a ModelOpt format for trtllm "
-                          f"(got {recipe.build.quantization!r})")
     if gguf:  # llama.cpp's format: the embedded engine is the only backend that serves it
         chosen = backends.resolve("embedded")
     else:
