@@ -233,8 +233,10 @@ report: $(SETUP)
 lint: $(SETUP)
 	$(PY) -m ruff check .
 
+# each test has its own hang guard (tests/conftest.py); the run as a whole is interrupted after 40 minutes
+# (SIGINT: pytest prints where it was), killed a minute later if that does not end it
 test: $(SETUP) $(TRITON_SETUP)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	timeout -s INT -k 60 2400 $(PY) -m pytest -q $(PYTEST_ARGS)
 	@echo "== the Triton tests, in $(TRITON_VENV) (real tritonserver + tritonclient)"
 	timeout 900 $(TRITON_PY) -m pytest -q $(PYTEST_ARGS) tests/test_triton_e2e.py
 

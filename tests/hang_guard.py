@@ -1,7 +1,7 @@
 """A test that runs past its time fails, with every thread's stack dumped, instead of hanging CI.
 
-A module that starts servers takes the guard as its own autouse fixture:
-`hang_guard = fail_after(120)` (a module importing that name from a helper takes it too).
+conftest.py gives every test of the suite one (`hang_guard`, 600 s). A module that starts servers narrows it
+with its own fixture of that name: `hang_guard = fail_after(120)` (importing the name from a helper does too).
 """
 
 from __future__ import annotations

@@ -124,13 +124,19 @@ def test_the_samples_of_a_problem_are_prefilled_in_two_forwards(gguf_folder, mod
         rows = engine.runner.prefill_rows
         engine.runner.prefill_rows = lambda items: calls.append([len(t) for _, t, _ in items]) or rows(items)
 
-        gate = threading.Event()  # the engine thread waits here until all four are queued: one admission
-        held = threading.Thread(target=engine.call_in_engine_thread, args=(gate.wait,))
+        # The engine thread waits at the gate until all four are queued: one admission. The requests are
+        # sent only once it is inside the gate (else it could take some before the gate: CI hung so).
+        entered, gate = threading.Event(), threading.Event()
+        held = threading.Thread(target=engine.call_in_engine_thread,
+                                args=(lambda: entered.set() or gate.wait(),))
         held.start()
+        assert entered.wait(60), "the engine thread never ran the gate"
 
         async def together() -> list[list[int]]:
             replies = [asyncio.ensure_future(one(PROMPT)) for _ in range(4)]
-            while engine._inbox.qsize() < 4:  # each queued as its task first runs
+            for _ in range(6000):  # each queued as its task first runs; a minute at most
+                if engine._inbox.qsize() >= 4:
+                    break
                 await asyncio.sleep(0.01)
             gate.set()
             return list(await asyncio.gather(*replies))

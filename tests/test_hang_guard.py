@@ -1,0 +1,28 @@
+"""The suite's hang guard (tests/hang_guard.py): a test that hangs fails with every thread's stack dumped,
+and the tests after it run, instead of the whole run hanging until CI kills it with nothing said."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+
+
+def test_a_hanging_test_fails_by_name_with_stacks_and_the_next_test_runs(tmp_path):
+    (tmp_path / "test_hangs.py").write_text(
+        "import sys, threading\n"
+        f"sys.path.insert(0, {str(TESTS)!r})\n"
+        "from hang_guard import fail_after\n"
+        "hang_guard = fail_after(1)\n"
+        "def test_waits_for_what_never_comes():\n"
+        "    threading.Event().wait()\n"
+        "def test_after_it():\n"
+        "    pass\n")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    out = run.stdout + run.stderr
+    assert run.returncode == 1, out
+    assert "1 failed, 1 passed" in out and "TimeoutError: test exceeded 1s" in out, out
+    assert "test_waits_for_what_never_comes" in out and "threading.py" in out, out  # the stacks were dumped
