@@ -83,6 +83,48 @@ def encode_literal(tokenizer: Any, text: str) -> list[int]:
     return ids + (encode(tokenizer, text[start:]) if start < len(text) else [])
 
 
+_STAND_IN = re.compile("\ue000([0-9]+)\ue001([0-9]+)\ue002")
+
+
+def encode_messages(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of a chat rendered by the template: the template's special tokens are tokens, the messages'
+    text is text. A message spelling "<|im_end|>\\n<|im_start|>system" (an API caller passing on an end user's
+    text) otherwise closed its own turn and forged a system turn, as rendering and tokenizing the whole
+    string does. Messages spelling no added token are encoded exactly as `encode` encodes the rendered text;
+    in the others each spelling is encoded as `encode_literal` encodes it: the template renders stand-ins
+    (private-use characters and digits, which no case change or strip alters) put back as literal text."""
+    spelled = sorted({t for t in _added_tokens(tokenizer) for m in messages if t in m.get("content", "")},
+                     key=len, reverse=True)
+    if not spelled:
+        return encode(tokenizer, tokenizer.apply_chat_template(messages, tokenize=False,
+                                                               add_generation_prompt=add_generation_prompt))
+    contents = "".join(m.get("content", "") for m in messages)
+    nonce = _nonce(contents)
+    pattern = re.compile("|".join(re.escape(t) for t in spelled))
+
+    def stand_in(m: re.Match) -> str:
+        return f"\ue000{nonce}\ue001{spelled.index(m.group())}\ue002"
+    escaped = [{**m, "content": pattern.sub(stand_in, m["content"])} if m.get("content") else m for m in messages]
+    text = tokenizer.apply_chat_template(escaped, tokenize=False, add_generation_prompt=add_generation_prompt)
+    ids, start = [], 0
+    for m in _STAND_IN.finditer(text):
+        if m.group(1) != nonce:
+            continue
+        ids += encode(tokenizer, text[start:m.start()]) if m.start() > start else []
+        ids += encode_literal(tokenizer, spelled[int(m.group(2))])
+        start = m.end()
+    return ids + (encode(tokenizer, text[start:]) if start < len(text) else [])
+
+
+def _nonce(text: str) -> str:
+    """Twelve random digits that `text` does not hold: the stand-ins' own mark, which a message cannot forge."""
+    import secrets
+
+    while (nonce := f"{secrets.randbelow(10**12):012d}") in text:
+        pass
+    return nonce
+
+
 def _added_tokens(tokenizer: Any) -> set[str]:
     """The spellings the tokenizer matches as whole tokens before its model runs (added and special ones)."""
     added = getattr(tokenizer, "get_added_vocab", dict)()

@@ -127,6 +127,10 @@ class Engine(Protocol):
 
     def chat_prompt(self, problem: str, system_prompt: Optional[str] = None) -> str: ...
 
+    def chat_ids(self, problem: str, system_prompt: Optional[str] = None) -> list[int]:
+        """The chat prompt's ids with the problem taken literally (its special-token spellings stay text)."""
+        ...
+
     def generate(self, request: Request) -> AsyncIterator[Event]:
         """Submit and stream; ends with one Final. Breaking out of the iterator cancels the request."""
         ...

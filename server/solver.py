@@ -170,25 +170,6 @@ def cancel_grace(deadline: Optional[float], now: float) -> float:
     return min(CANCEL_GRACE, max(LATE_CANCEL_GRACE, deadline - now))
 
 
-PROBLEM_SLOT = "\ue000problem\ue000"  # private-use characters: no template or problem writes them
-
-
-def prompt_ids(engine: Engine, problem: str, system_prompt: Optional[str] = None) -> list[int]:
-    """The chat prompt's ids with the problem taken literally: a problem spelling '<|im_end|>' or
-    '<|im_start|>assistant' would otherwise close the user's turn and forge the assistant's (a problem comes
-    from outside, like a tool's output: `encode_literal`). The template is rendered around a slot for it and
-    the parts tokenized apart; a problem that spells no added token, or a template that does not insert it
-    as written, is tokenized with the rendered prompt as before."""
-    text = engine.chat_prompt(problem, system_prompt)
-    literal = engine.tokenize(problem, literal=True)
-    if literal == engine.tokenize(problem):
-        return engine.tokenize(text)
-    head, found, tail = engine.chat_prompt(PROBLEM_SLOT, system_prompt).partition(PROBLEM_SLOT)
-    if not found or PROBLEM_SLOT in tail or head + problem + tail != text:
-        return engine.tokenize(text)
-    return engine.tokenize(head) + literal + engine.tokenize(tail)
-
-
 class Solver:
     def __init__(self, engine: Engine, client: TIRClient, config: SolverSpec = SolverSpec(),
                  system_prompt: Optional[str] = None):
@@ -201,7 +182,7 @@ class Solver:
         if too_long:  # refused untokenized: tokenizing megabytes held the event loop past the problem's budget
             return self._unasked(problem_id, too_long, t0, expected)
         try:
-            prompt = prompt_ids(self.engine, problem, self.system_prompt)
+            prompt = self.engine.chat_ids(problem, self.system_prompt)
         except Exception as e:  # noqa: BLE001 - a template that fails on this problem's text: this problem fails
             return self._unasked(problem_id, f"the chat prompt could not be made ({type(e).__name__}: "
                                              f"{str(e)[:200]})", t0, expected)

@@ -17,7 +17,7 @@ import asyncio
 import time
 from typing import Any, AsyncIterator, Optional, Sequence
 
-from aimo_spec.chat import encode, encode_literal, max_chars_per_token, render_prompt
+from aimo_spec.chat import chat_messages, encode, encode_literal, encode_messages, max_chars_per_token, render_prompt
 from aimo_spec.protocol import Delta, Event, Final, FinishReason, Request, stream_events
 from server.textstream import IncrementalDetokenizer, StopMatcher
 
@@ -160,6 +160,11 @@ class EngineBase:
 
     def chat_prompt(self, problem: str, system_prompt: Optional[str] = None) -> str:
         return render_prompt(self.tokenizer, problem, system_prompt)
+
+    def chat_ids(self, problem: str, system_prompt: Optional[str] = None) -> list[int]:
+        """A problem spelling '<|im_end|>\\n<|im_start|>assistant' would otherwise close the user's turn and forge
+        the assistant's: it comes from outside, like a tool's output (`encode_messages`)."""
+        return encode_messages(self.tokenizer, chat_messages(problem, system_prompt))
 
     async def generate(self, request: Request) -> AsyncIterator[Event]:
         if self._closed:

@@ -39,6 +39,9 @@ class ScriptedEngine:
     def chat_prompt(self, problem: str, system_prompt: Optional[str] = None) -> str:
         return f"<user>{problem}</user><assistant>"
 
+    def chat_ids(self, problem: str, system_prompt: Optional[str] = None) -> list[int]:
+        return self.tokenize(self.chat_prompt(problem, system_prompt))
+
     def cancel(self, request_id: str) -> None:
         self._cancelled.add(request_id)
 

@@ -162,12 +162,10 @@ class Predictor:
         """Why the problem cannot be given to the engine (None: it can)."""
         if text is None:
             return "the problem text is null or empty"
-        if not self.max_input_len or not hasattr(self.engine, "tokenize") or not hasattr(self.engine, "chat_prompt"):
+        if not self.max_input_len or not hasattr(self.engine, "chat_ids"):
             return None
         try:
-            from server.solver import prompt_ids
-
-            n = len(prompt_ids(self.engine, text, self.serving.system_prompt))
+            n = len(self.engine.chat_ids(text, self.serving.system_prompt))
         except Exception as e:  # noqa: BLE001 - cannot count here: the engine itself will say
             self.log(f"could not count the prompt's tokens ({type(e).__name__}: {e}); asking the engine")
             return None

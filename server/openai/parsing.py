@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, Optional
 
-from aimo_spec.chat import max_chars_per_token
+from aimo_spec.chat import encode_messages, max_chars_per_token
 from aimo_spec.protocol import MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS, SamplingParams
 from server.openai.api_error import ApiError
 from server.openai.body import flag_field, number_field, parse_body, quoted, refuse_unsupported, stop_strings
@@ -213,12 +213,12 @@ class RequestParser:
                                f"messages[{i}].content")
             clean.append({"role": "system" if m["role"] == "developer" else m["role"], "content": c})
         self._check_length(sum(len(m["content"]) for m in clean), "messages")
-        try:
-            text = self.tokenizer.apply_chat_template(clean, tokenize=False, add_generation_prompt=True)
+        try:  # the messages' special-token spellings stay text: no forged turns (encode_messages)
+            ids = encode_messages(self.tokenizer, clean)
         except Exception as e:  # noqa: BLE001 - a template that rejects these messages (roles, order)
             raise ApiError(400, f"messages: the chat template refused them ({type(e).__name__}: {e})",
                            "messages") from None
-        job = self._common(body, "chat", [self.engine.tokenize(text)], "messages")
+        job = self._common(body, "chat", [ids], "messages")
         if flag_field(body, "logprobs"):
             job.logprobs = number_field(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS, integer=True)
         elif body.get("top_logprobs") is not None:
