@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable
 
 ENGINE_FILE = "engine.json"  # what a runtime reads to serve an engine folder
 GGUF_FILE = "model.gguf"  # a model folder holding it (with its tokenizer) is served by llama.cpp
@@ -109,3 +110,17 @@ class Layout:
         """The weights of a `build.quantization` value: the merged model for bf16, else its export (an HF
         checkpoint, or a GGUF folder for gguf_* formats)."""
         return self.merged if quantization == "bf16" else self.quantized(quantization)
+
+    # ---- what the stages write
+    def work_folders(self, written_sources: Iterable[str], formats: Iterable[str]) -> list[Path]:
+        """The folders the stages make and replace, outermost first (`written_sources`: the sources the
+        sources stage writes; an hf source is used where it is)."""
+        return [self.root, self.sources, *(self.source(n) for n in written_sources), self.merge, self.quantize,
+                *(self.quantize_format(f) for f in formats), self.drafter, self.build, self.engine("embedded"),
+                self.engine("trtllm"), self.trtllm_work, self.triton, self.kaggle]
+
+    def in_the_way(self, written_sources: Iterable[str], formats: Iterable[str]) -> list[Path]:
+        """Work folders that exist as something else (a file, a link to one, a dangling link): a stage failed
+        on one midway with a traceback; a run names them before it starts."""
+        return [p for p in self.work_folders(written_sources, formats)
+                if (p.exists() or p.is_symlink()) and not p.is_dir()]

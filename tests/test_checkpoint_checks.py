@@ -157,3 +157,25 @@ def test_a_folder_built_from_another_recipe_file_is_said(recipe, capsys, monkeyp
     assert rc == 0 and f"was last built from {recipe.resolve()}; this run, from {other.resolve()}" in out, out
     rc, out = run(capsys, "sources", "--recipe", str(other))
     assert rc == 0 and "was last built from" not in out, out
+
+
+@pytest.mark.parametrize("where", ["merge", "build", "build/embedded", "quantize", "kaggle"])
+def test_a_file_where_a_stage_keeps_a_folder_stops_the_run_before_any_stage(recipe, capsys, monkeypatch, where):
+    """A file (or a link) at a stage's folder failed that stage midway with a traceback: named up front, and
+    nothing under the output folder is changed."""
+    monkeypatch.setenv("TRTBUILD_SKIP_RESOURCE_CHECK", "1")
+    blocked = recipe.parent / "probe" / where
+    blocked.parent.mkdir(parents=True, exist_ok=True)
+    blocked.write_text("mine")
+
+    def listing() -> list[Path]:  # the run's lock file aside
+        return sorted(p.relative_to(recipe.parent) for p in (recipe.parent / "probe").rglob("*") if p.name != ".lock")
+    before = listing()
+    rc, out = run(capsys, "sources", "--recipe", str(recipe))
+    assert rc == 2 and f"error: {blocked} is a file where make engine keeps a folder" in out, out
+    assert "Traceback" not in out and blocked.read_text() == "mine"
+    assert listing() == before
+    blocked.unlink()
+    blocked.symlink_to(recipe.parent / "nowhere")
+    rc, out = run(capsys, "sources", "--recipe", str(recipe))
+    assert rc == 2 and f"error: {blocked} is a link where make engine keeps a folder" in out, out

@@ -19,7 +19,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-from aimo_spec.recipe import Recipe, RecipeError, load_recipe
+from aimo_spec.recipe import HFSource, Recipe, RecipeError, load_recipe
 from trtbuild import manifest as mf
 from trtbuild import stages
 
@@ -196,6 +196,12 @@ def _note_owner(recipe: Recipe) -> None:
 def _run_stages(todo: tuple[str, ...], recipe: Recipe, args: argparse.Namespace) -> int:
     from trtbuild.resources import ResourceError, check
 
+    written = [n for n, s in recipe.sources.items() if not isinstance(s, HFSource)]
+    blocked = recipe.layout.in_the_way(written, recipe.quantize.formats)
+    if blocked:
+        print(f"error: {blocked[0]} is {'a link' if blocked[0].is_symlink() else 'a file'} where make engine keeps a "
+              "folder; move it away and rerun (nothing was changed)", file=sys.stderr)
+        return 2
     try:  # before any work: a stage that cannot fit fails now, not midway
         check(recipe, todo, log=lambda m: print(m, file=sys.stderr))
     except ResourceError as e:
