@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -61,6 +62,19 @@ def test_loader_refuses_a_quantized_weight_without_scale(tmp_path, tiny_models):
         (tmp_path / f).write_text((src / f).read_text())
     (tmp_path / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "W8A16"}}))
     with pytest.raises(ValueError, match="weight_scale is missing"):
+        load_model(tmp_path)
+
+
+@pytest.mark.parametrize("text,words", [
+    ("{not json", "JSONDecodeError"), ("[]", "TypeError"), ('{"quantization": {}}', "KeyError"),
+    ('{"quantization": {"quant_algo": 8}}', "must be a string (got 8)"), (b"\xff\xfe", "UnicodeDecodeError"),
+])
+def test_a_broken_quantization_config_is_named_with_its_file(tmp_path, text, words):
+    from server.embedded.loader import load_model
+
+    p = tmp_path / "hf_quant_config.json"
+    p.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(ValueError, match=f"^{re.escape(str(p))}: .*{re.escape(words)}"):
         load_model(tmp_path)
 
 

@@ -24,7 +24,14 @@ def quant_algo(model_dir: Path) -> str | None:
     p = Path(model_dir) / QUANT_CONFIG
     if not p.is_file():
         return None
-    return json.loads(p.read_text())["quantization"]["quant_algo"]
+    try:
+        algo = json.loads(p.read_text(encoding="utf-8"))["quantization"]["quant_algo"]
+    except (ValueError, KeyError, TypeError) as e:  # not JSON, not UTF-8, or not ModelOpt's shape
+        raise ValueError(f"{p}: not a ModelOpt quantization config (quantization.quant_algo: "
+                         f"{type(e).__name__}: {str(e)[:200]})") from None
+    if not (isinstance(algo, str) or algo is None):
+        raise ValueError(f"{p}: quantization.quant_algo must be a string (got {algo!r:.200})")
+    return algo
 
 
 def _read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
