@@ -843,6 +843,14 @@ class SessionChild:
     def resume(self):
         self._signal(signal.SIGCONT)
 
+    def threads_left(self):
+        """Threads of the child beside its own two (the cells' main thread and the channel): those cells
+        started and left running. Counted from /proc, where a cell cannot alter the count."""
+        try:
+            return max(0, len(os.listdir(f"/proc/{self.pid}/task")) - 2)
+        except OSError:
+            return 0
+
     def _signal(self, sig):
         if self.alive:
             try:
@@ -977,7 +985,7 @@ def _run_session_cell(child, req, cfg):
     for fd in (child.out_r, child.err_r):
         _drain(fd, caps[fd])
     return {"status": msg["status"], "stdout": caps[child.out_r].render(), "stderr": caps[child.err_r].render(),
-            "seconds": float(msg["seconds"]), "crashed": None, "clean": clean}
+            "seconds": float(msg["seconds"]), "crashed": None, "clean": clean, "threads": child.threads_left()}
 
 
 def _read_some(fd):

@@ -54,6 +54,7 @@ class Session:
         self._wlock = threading.Lock()  # guards _worker and _closed against the restore thread
         self._restore: threading.Thread | None = None
         self._restore_note = ""
+        self._threads = 0  # threads the cells so far left running (the worker counts them after each cell)
         self._closed = False
         self.restarts = 0
 
@@ -85,16 +86,37 @@ class Session:
                 result = lost_result(e, time.monotonic() - t1, t1 - t0, time.monotonic() - t0)
                 if self._closed:  # killed by `close` under the cell: nothing to restore
                     return result
-                return replace(result, restarted=True, note=self._crashed(fresh_worker=True))
+                return replace(result, restarted=True, note="\n".join(
+                    n for n in (self._threads_suspected(), self._crashed(fresh_worker=True)) if n))
             result = reply_result(worker, reply, t1 - t0, time.monotonic() - t0)
             if self._closed:
                 return result
             if reply.get("crashed") or not reply["clean"]:
                 return replace(result, restarted=True, note="\n".join(
-                    n for n in (note, result.note, self._crashed(fresh_worker=not reply["clean"])) if n))
+                    n for n in (note, result.note, self._threads_suspected(),
+                                self._crashed(fresh_worker=not reply["clean"])) if n))
             if result.status != "timeout":
                 self._history.append((code, timeout))
-            return replace(result, note="\n".join(n for n in (note, result.note) if n)) if note else result
+            note = "\n".join(n for n in (note, result.note, self._threads_started(reply)) if n)
+            return replace(result, note=note) if note != result.note else result
+
+    def _threads_started(self, reply: dict) -> str:
+        """The note for a cell that left threads running: they run on in later cells (the interpreter is
+        stopped between cells) and what they print or do lands there."""
+        threads = int(reply.get("threads") or 0)
+        started, self._threads = threads - self._threads, threads
+        if started <= 0:
+            return ""
+        return (f"[this cell left {started} thread(s) running; they go on running during later cells, and what they "
+                "print or do lands in those cells]")
+
+    def _threads_suspected(self) -> str:
+        """For a crash while threads of earlier cells ran: those threads, not this cell's code, may be the
+        cause (a timer that exits the interpreter fired in whichever cell came next)."""
+        if not self._threads:
+            return ""
+        return (f"[{self._threads} thread(s) that earlier cells left running were running too: one of them, "
+                "rather than this cell's code, may have ended the session]")
 
     def _start_worker(self) -> Worker | str:
         try:
@@ -173,6 +195,7 @@ class Session:
             if self._closed:
                 return False
             w = self._worker
+        self._threads = 0  # the replay counts those the re-run cells leave
         if w is not None and not fresh_worker and w.alive():
             try:
                 if w.request({"op": "reset"}, 10.0).get("reset") is True:
@@ -200,6 +223,7 @@ class Session:
             w.new_oom_kills(), w.new_task_limit_hits()
             if reply.get("crashed") or not reply["clean"]:
                 return i, True
+            self._threads = int(reply.get("threads") or 0)
             if reply["status"]["kind"] == "timeout":
                 return i, False
         return len(cells), False

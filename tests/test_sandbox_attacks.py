@@ -400,6 +400,22 @@ def test_a_thread_left_by_a_session_cell_is_stopped_between_cells(pool):
         assert r.status == "ok" and r.stdout.text == "True\n", r  # the thread runs while a cell does
 
 
+def test_threads_a_session_cell_leaves_are_said_and_a_later_crash_names_them(pool):
+    """A timer thread that ends the interpreter fires in whichever cell runs next, and that cell was blamed: the
+    cell that leaves threads running is told so (counted from /proc, not by the cell), and a crash while such
+    threads run says they may be the cause."""
+    with pool.session() as s:
+        r = s.run("import threading, os\nt = threading.Timer(0.3, os._exit, [3])\nt.start()", timeout=5)
+        assert r.ok and "this cell left 1 thread(s) running" in r.note, r
+        r = s.run("x = 1", timeout=5)
+        assert r.ok and "thread" not in r.note, r
+        r = s.run("import time\ntime.sleep(5)", timeout=10)
+        assert r.restarted and "1 thread(s) that earlier cells left running were running too" in r.note, r
+    with pool.session() as s:  # a cell whose threads end with it leaves none
+        r = s.run("import threading\nt = threading.Thread(target=print, args=('hi',))\nt.start()\nt.join()")
+        assert r.ok and r.stdout.text == "hi\n" and "thread" not in r.note, r
+
+
 # Every descriptor a session cell could reach the control channel by: fd numbers of its own process
 # and every link under /proc/*/task/*/fd (other threads' tables, other processes it can read).
 REACH = textwrap.dedent("""
