@@ -2,31 +2,46 @@
 
 conftest.py gives every test of the suite one (`hang_guard`, 600 s). A module that starts servers narrows it
 with its own fixture of that name: `hang_guard = fail_after(120)` (importing the name from a helper does too).
+
+The clock is a watchdog thread, not SIGALRM: libraries take SIGALRM for their own timeouts and end with
+`alarm(0)`, which cancelled the guard unseen (math_verify's parse timeout, under every LaTeX answer read on
+the main thread). On expiry the watchdog dumps the stacks and sends the main thread SIGUSR1, whose handler
+raises TimeoutError in the test (nothing in the product takes SIGUSR1).
 """
 
 from __future__ import annotations
 
 import signal
+import threading
 from typing import Any, Callable
 
 import pytest
 
+EXPIRED = signal.SIGUSR1
+
 
 def fail_after(seconds: int) -> Callable[..., Any]:
-    """An autouse fixture: SIGALRM after `seconds` dumps the stacks and raises TimeoutError in the test."""
+    """An autouse fixture: after `seconds` the stacks are dumped and TimeoutError is raised in the test."""
 
     @pytest.fixture(autouse=True)
     def hang_guard():
         import faulthandler
 
         def expire(signum, frame):
-            faulthandler.dump_traceback(all_threads=True)
             raise TimeoutError(f"test exceeded {seconds}s")
-        old = signal.signal(signal.SIGALRM, expire)
-        signal.alarm(seconds)
+
+        def watchdog() -> None:
+            if not done.wait(seconds):
+                faulthandler.dump_traceback(all_threads=True)
+                signal.pthread_kill(threading.main_thread().ident, EXPIRED)
+        old = signal.signal(EXPIRED, expire)
+        done = threading.Event()
+        dog = threading.Thread(target=watchdog, name=f"hang-guard-{seconds}s", daemon=True)
+        dog.start()
         try:
             yield
         finally:
-            signal.alarm(0)
-            signal.signal(signal.SIGALRM, old)
+            done.set()
+            dog.join()
+            signal.signal(EXPIRED, old)
     return hang_guard

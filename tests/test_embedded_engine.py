@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from streams import cancel_after
+from streams import cancel_after, engine_thread_held
 
 from aimo_spec.protocol import Final, Request, SamplingParams, collect
 from server.answers import last_boxed, normalize
@@ -171,10 +171,9 @@ def test_breaking_out_of_the_stream_cancels(engine, hf):
     async def go():
         async for ev in engine.generate(Request(text, SamplingParams(max_tokens=200, seed=1))):
             break
-        await asyncio.sleep(0.3)
 
-    asyncio.run(go())
-    assert engine.scheduler.idle and not engine.scheduler.by_id
+    asyncio.run(go())  # its end finalized the abandoned stream: the cancel is in the inbox, read in order
+    assert engine.call_in_engine_thread(lambda: engine.scheduler.idle and not engine.scheduler.by_id)
 
 
 def test_deadline_ends_with_timeout(engine, hf):
@@ -264,10 +263,12 @@ def test_cancel_races_always_end_with_exactly_one_final(hf):
     async def go():
         running = Request(text, SamplingParams(max_tokens=40, seed=1, ignore_eos=True))
         queued = Request(text, SamplingParams(max_tokens=40, seed=2))
-        a = asyncio.ensure_future(collect(eng, running))
-        b = asyncio.ensure_future(collect(eng, queued))
-        await asyncio.sleep(0.01)
-        eng.cancel(queued.request_id)  # still waiting: the only slot is taken
+        async with engine_thread_held(eng, queued=3):  # one drain: add, add, cancel (the only slot is taken)
+            a = asyncio.ensure_future(collect(eng, running))
+            b = asyncio.ensure_future(collect(eng, queued))
+            while eng._inbox.qsize() < 2:  # both added before the cancel
+                await asyncio.sleep(0.01)
+            eng.cancel(queued.request_id)
         (_, fa), (db, fb) = await asyncio.gather(a, b)
         eng.cancel(running.request_id)  # already final: nothing more may arrive
         eng.cancel("no-such-request")

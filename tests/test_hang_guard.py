@@ -18,11 +18,15 @@ def test_a_hanging_test_fails_by_name_with_stacks_and_the_next_test_runs(tmp_pat
         "hang_guard = fail_after(1)\n"
         "def test_waits_for_what_never_comes():\n"
         "    threading.Event().wait()\n"
-        "def test_after_it():\n"
+        "def test_a_library_timeout_does_not_disarm_it():\n"  # math_verify's parse ends with alarm(0)
+        "    import signal\n"
+        "    signal.alarm(0)\n"
+        "    threading.Event().wait()\n"
+        "def test_after_them():\n"
         "    pass\n")
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
     out = run.stdout + run.stderr
     assert run.returncode == 1, out
-    assert "1 failed, 1 passed" in out and "TimeoutError: test exceeded 1s" in out, out
+    assert "2 failed, 1 passed" in out and "TimeoutError: test exceeded 1s" in out, out
     assert "test_waits_for_what_never_comes" in out and "threading.py" in out, out  # the stacks were dumped

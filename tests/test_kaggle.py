@@ -230,7 +230,10 @@ def test_the_predictor_restarts_an_embedded_engine_whose_thread_died(tmp_path, t
         lives.append(EmbeddedEngine.from_dir(tiny_models["llama-tir"], max_seq_len=128, device="cpu"))
         return lives[-1]
     logs = []
-    p = Predictor(engine_folder(tmp_path), serving=serving_spec(), problems=3, engine_factory=factory, log=logs.append)
+    # a deadline far from what the restart and a two-sample solve take even on a loaded box
+    budget = {"policy": "aimo2", "base_seconds": 300, "max_extra_seconds": 10}
+    p = Predictor(engine_folder(tmp_path), serving=serving_spec(budget=budget), problems=3, engine_factory=factory,
+                  log=logs.append)
     p.predict(*series("q1", "What is 1 plus 1?"))
     kill_engine_thread(lives[0])
     t0 = time.monotonic()

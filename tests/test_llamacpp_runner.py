@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import threading
 from pathlib import Path
 
 import pytest
 import torch
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+
+from streams import engine_thread_held  # noqa: E402
 
 from aimo_spec.layout import GGUF_FILE  # noqa: E402
 from aimo_spec.protocol import Final, Request, SamplingParams  # noqa: E402
@@ -124,25 +125,12 @@ def test_the_samples_of_a_problem_are_prefilled_in_two_forwards(gguf_folder, mod
         rows = engine.runner.prefill_rows
         engine.runner.prefill_rows = lambda items: calls.append([len(t) for _, t, _ in items]) or rows(items)
 
-        # The engine thread waits at the gate until all four are queued: one admission. The requests are
-        # sent only once it is inside the gate (else it could take some before the gate: CI hung so).
-        entered, gate = threading.Event(), threading.Event()
-        held = threading.Thread(target=engine.call_in_engine_thread,
-                                args=(lambda: entered.set() or gate.wait(),))
-        held.start()
-        assert entered.wait(60), "the engine thread never ran the gate"
-
         async def together() -> list[list[int]]:
-            replies = [asyncio.ensure_future(one(PROMPT)) for _ in range(4)]
-            for _ in range(6000):  # each queued as its task first runs; a minute at most
-                if engine._inbox.qsize() >= 4:
-                    break
-                await asyncio.sleep(0.01)
-            gate.set()
+            async with engine_thread_held(engine, queued=4):  # all four taken in one drain: one admission
+                replies = [asyncio.ensure_future(one(PROMPT)) for _ in range(4)]
             return list(await asyncio.gather(*replies))
 
         assert asyncio.run(together()) == [alone] * 4
-        held.join()
         assert calls == [[1, 1, 1]]  # the first sample's prompt alone (prefill), the others' last tokens together
     finally:
         engine.shutdown()

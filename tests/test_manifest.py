@@ -86,18 +86,21 @@ def test_two_concurrent_runs_on_one_folder_do_the_work_once(tmp_path):
     final = tmp_path / "out" / "merge"
     make, calls = build_counter()
 
-    def slow(tmp: Path) -> dict:
-        time.sleep(0.4)
+    building, waiting = threading.Event(), threading.Event()
+
+    def slow(tmp: Path) -> dict:  # the first run builds until the second is seen waiting (no sleeps to race)
+        building.set()
+        waiting.wait(10)
         return make(tmp)
     waited = []
 
     def one_run():
-        with mf.folder_lock(tmp_path / "out", wait_log=waited.append):
+        with mf.folder_lock(tmp_path / "out", wait_log=lambda m: waited.append(m) or waiting.set()):
             stages.produce("merge", final, "fp1", slow)
     runs = [threading.Thread(target=one_run) for _ in range(2)]
-    for t in runs:
-        t.start()
-        time.sleep(0.1)
+    runs[0].start()
+    assert building.wait(10)  # the first holds the lock (its pid written) before the second tries it
+    runs[1].start()
     for t in runs:
         t.join(10)
     assert len(calls) == 1 and len(waited) == 1 and "pid " in waited[0] and "waiting" in waited[0]

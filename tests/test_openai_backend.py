@@ -211,8 +211,11 @@ def test_a_replica_killed_mid_run_fails_over_then_a_clear_error(replicas, local,
                     elif isinstance(ev, Final):
                         return ev
             tasks = [asyncio.ensure_future(one(i)) for i in range(6)]
-            while min(counts) < 5:
+            for _ in range(12000):  # a minute at most; each request streaming before the kill
+                if min(counts) >= 5 or any(t.done() for t in tasks):
+                    break
                 await asyncio.sleep(0.005)
+            assert min(counts) >= 5, counts
             os.killpg(victim.proc.pid, signal.SIGKILL)
             at_kill = list(counts)
             return await asyncio.gather(*tasks), at_kill

@@ -16,6 +16,7 @@ from collections import Counter
 
 import pytest
 import torch
+from streams import engine_thread_held
 
 from aimo_spec.protocol import Request, SamplingParams, collect
 from server.embedded import speculative
@@ -305,12 +306,19 @@ def test_cancel_and_deadline_with_the_drafter(hf):
             long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
             expired = Request(text, long, deadline=time.monotonic() + 0.05)
             cancelled = Request(text, long)
-            task = asyncio.ensure_future(collect(spec, cancelled))
-            await asyncio.sleep(0.05)
-            spec.cancel(cancelled.request_id)
-            return await asyncio.gather(collect(spec, expired), task)
 
-        (_, timed_out), (_, cancelled) = asyncio.run(go())
+            async def cancel_midway() -> list:
+                events = []
+                async for ev in spec.generate(cancelled):
+                    events.append(ev)
+                    if len(events) == 1:  # streaming: the engine thread waits at its next step for the cancel
+                        async with engine_thread_held(spec, queued=1):
+                            spec.cancel(cancelled.request_id)
+                return events
+            return await asyncio.gather(collect(spec, expired), cancel_midway())
+
+        (_, timed_out), events = asyncio.run(go())
+        cancelled = events[-1]
         again = run_all(spec, [text], GREEDY)[0]  # the engine serves on after both
     finally:
         spec.shutdown()

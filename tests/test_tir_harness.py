@@ -164,7 +164,7 @@ def test_tool_call_records_the_error_kind_and_cut_output(pool):
         n = prompt.count("```output")
         return [f"```python\n{codes[n]}```\n"] if n < len(codes) else ["\\boxed{0}"]
     eng = ScriptedEngine(script)
-    t = run(client(eng, pool, max_code_calls=5, tool_seconds=0.5, output_chars=300).run(eng.tokenize("p"), 0, 1))
+    t = run(client(eng, pool, max_code_calls=5, tool_seconds=2, output_chars=300).run(eng.tokenize("p"), 0, 1))
     assert [c.error for c in t.code_calls] == ["ImportError: nosuchmodule", "NameError: undefined_thing", "timeout", "",
                                                "ZeroDivisionError"]
     assert [c.cut for c in t.code_calls] == [False, False, False, True, False]
