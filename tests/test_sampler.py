@@ -43,3 +43,32 @@ def test_a_seed_past_64_bits_folds_as_torch_folds_a_negative_one():
 
     assert torch.equal(draws(2 ** 64 + 5), torch_draws(5)) and torch.equal(draws(-5), torch_draws(-5))
     assert torch.equal(draws(2 ** 64 - 5), torch_draws(-5)) and torch.equal(draws(123), torch_draws(123))
+
+
+def _nucleus_by_full_sort(logits: torch.Tensor, p: SamplingParams) -> dict[int, float]:
+    """The rule written plainly: the whole row sorted, the smallest prefix whose mass reaches top_p."""
+    probs = torch.softmax(logits.float() / p.temperature, -1)
+    vals, ids = torch.sort(probs, descending=True)
+    keep = int(torch.searchsorted(torch.cumsum(vals, -1), torch.tensor([p.top_p]))) + 1
+    vals, ids = vals[:keep], ids[:keep]
+    return dict(zip(ids.tolist(), (vals / vals.sum()).tolist()))
+
+
+def test_a_nucleus_past_the_candidates_is_the_one_a_full_sort_gives():
+    """Nuclei narrower than CANDIDATES, between it and WIDER_CANDIDATES, and wider than both (a flat row):
+    the same tokens with the same probabilities as sorting the whole row."""
+    from server.embedded.sampler import CANDIDATES, WIDER_CANDIDATES
+
+    g = torch.Generator().manual_seed(3)
+    vocab = 3 * WIDER_CANDIDATES
+    widths = []
+    for scale in (8.0, 3.0, 2.0, 1.0, 0.1):
+        logits = torch.randn(vocab, generator=g) * scale  # float32: no ties (where tied tokens fall is any order's)
+        p = SamplingParams(temperature=0.7, top_p=0.95)
+        ids, probs = row_distribution(logits, p)
+        got = dict(zip(ids.tolist(), probs.tolist()))
+        want = _nucleus_by_full_sort(logits, p)
+        assert got.keys() == want.keys() and all(abs(got[i] - want[i]) < 1e-6 for i in want)
+        widths.append(len(want))
+    assert min(widths) < CANDIDATES and max(widths) > WIDER_CANDIDATES
+    assert any(CANDIDATES < w <= WIDER_CANDIDATES for w in widths), widths

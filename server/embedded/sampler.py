@@ -1,9 +1,10 @@
 """Per-request sampling over a batch of logits: greedy, temperature, top-k, top-p, seeded.
 
-Exact but cheap: sorting a 49k vocabulary costs ~2 ms per row on a CPU core, so the nucleus is
-first sought among the 256 most likely tokens and the full sort is done only for the rare row whose
-nucleus is wider than that. Each request has its own generator, so a sample depends on its seed and
-its logits only, not on which other requests share the batch.
+Exact but cheap: sorting a 49k vocabulary costs ~2-3.5 ms per row on a CPU core, so the nucleus is
+first sought among the 256 most likely tokens, then among the 4096 most likely (~0.7 ms), and the full
+sort is done only for the rare row whose nucleus is wider than that. Each request has its own
+generator, so a sample depends on its seed and its logits only, not on which other requests share the
+batch.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from aimo_spec.protocol import SamplingParams
 from server.embedded.transfer import to_device
 
 CANDIDATES = 256
+WIDER_CANDIDATES = 4096  # where a nucleus wider than CANDIDATES is sought before the whole row is sorted
 
 
 def make_generator(seed: Optional[int]) -> torch.Generator:
@@ -54,13 +56,24 @@ def row_distribution(logits: torch.Tensor, p: SamplingParams,
     if not k:
         return torch.arange(vocab, device=logits.device), probs
     if p.top_k == 0 and float(top_p.sum()) < p.top_p and k < vocab:
-        top_p, top_i = torch.sort(probs, descending=True)  # nucleus wider than the candidates
+        top_p, top_i = _wider_nucleus(probs, p.top_p)
     if p.top_p < 1.0:
         mass = float(top_p.sum()) if p.top_k else 1.0  # top-k renormalises before top-p
         cum = torch.cumsum(top_p, -1)
         keep = min(int(torch.searchsorted(cum, torch.tensor([p.top_p * mass], device=cum.device))) + 1, top_p.numel())
         top_p, top_i = top_p[:keep], top_i[:keep]
     return top_i, top_p / top_p.sum()
+
+
+def _wider_nucleus(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sorted candidates of a nucleus wider than CANDIDATES: the WIDER_CANDIDATES most likely when their
+    running sum reaches top_p (the same running sum as the whole sorted row's, so the same nucleus; tokens of
+    equal probability at its edge may come in another order, as with CANDIDATES), else the whole row sorted."""
+    if probs.numel() > WIDER_CANDIDATES:
+        vals, ids = torch.topk(probs, WIDER_CANDIDATES)
+        if float(torch.cumsum(vals, -1)[-1]) >= top_p:
+            return vals, ids
+    return torch.sort(probs, descending=True)
 
 
 def draw(ids: torch.Tensor, probs: torch.Tensor, gen: torch.Generator) -> int:
