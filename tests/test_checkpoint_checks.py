@@ -179,3 +179,19 @@ def test_a_file_where_a_stage_keeps_a_folder_stops_the_run_before_any_stage(reci
     blocked.symlink_to(recipe.parent / "nowhere")
     rc, out = run(capsys, "sources", "--recipe", str(recipe))
     assert rc == 2 and f"error: {blocked} is a link where make engine keeps a folder" in out, out
+
+
+def test_a_max_seq_len_past_the_models_positions_is_noted(tmp_path):
+    from trtbuild.build import positions_note
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"max_position_embeddings": 8192}))
+    assert positions_note(8192, config) is None
+    note = positions_note(16384, config)
+    assert note and "build.max_seq_len 16384 is past the model's max_position_embeddings 8192" in note
+    config.write_text(json.dumps({"max_position_embeddings": 8192, "rope_scaling": {"type": "yarn", "factor": 4}}))
+    assert positions_note(16384, config) is None  # stretched positions: the model's own choice
+    for broken in ("{not json", "[]", json.dumps({"max_position_embeddings": "many"})):
+        config.write_text(broken)
+        assert positions_note(16384, config) is None  # nothing said: the checkpoint checks name broken configs
+    assert positions_note(16384, tmp_path / "missing.json") is None

@@ -84,6 +84,23 @@ def engine_config(recipe: Recipe, backend: str, drafter_folder: str | None = Non
     }
 
 
+def positions_note(max_seq_len: int, config_file: Path) -> str | None:
+    """A note when build.max_seq_len passes the positions the model was trained for (config.json's
+    max_position_embeddings, with no rope_scaling to stretch them): the engine serves that far, but the model
+    has never seen those positions, so long replies may degrade. None when within them or not said."""
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    positions = config.get("max_position_embeddings") if isinstance(config, dict) else None
+    if not isinstance(positions, int) or isinstance(positions, bool) or max_seq_len <= positions \
+            or config.get("rope_scaling"):
+        return None
+    return (f"note: build.max_seq_len {max_seq_len} is past the model's max_position_embeddings {positions} "
+            f"({config_file}) and no rope_scaling stretches them: positions past {positions} are ones the model "
+            "never saw")
+
+
 def refuse_gguf_on_trtllm(recipe: Recipe, requested: str) -> None:
     """TensorRT-LLM cannot serve llama.cpp's format: a RecipeError naming build.quantization when both are asked."""
     if is_gguf(recipe.build.quantization) and requested == "trtllm":
@@ -125,6 +142,9 @@ def run(recipe: Recipe, backend: str = "auto", trtllm_env: Any = None, runner: A
         preflight.require(recipe, env, preflight.read_json(src / "config.json"))
         steps = tb.plan(recipe, env, upstream=stages.fingerprint(recipe, "merge"))
     mf.log(STAGE, f"{chosen}: building {recipe.build.quantization} from {src} ...")
+    past = positions_note(recipe.build.max_seq_len, layout.merged / "config.json")
+    if past:
+        mf.log(STAGE, past)
 
     def make(tmp: Path) -> dict[str, Any]:
         extra: dict[str, Any] = {}
