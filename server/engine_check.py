@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from aimo_spec.gguf_header import GGUFError, read_table
 from aimo_spec.layout import GGUF_FILE
 from aimo_spec.safetensors_header import SafetensorsError, check_whole
 
@@ -65,23 +66,31 @@ def _check_model_folder(model: Path, weights: bool) -> None:
 
 
 def check_gguf(path: Path) -> None:
-    """A GGUF file whose header is readable and whose tensors all lie inside it (a truncated copy fails);
-    where the `gguf` package is not installed (a serving-only environment), its magic bytes only."""
-    with path.open("rb") as fh:
-        if fh.read(4) != b"GGUF":
-            raise EngineFolderError(f"{path}: not a GGUF file (no GGUF magic)")
+    """A GGUF file whose tensor table is readable and whose tensors all lie inside it (a truncated copy
+    fails); the tensors' byte sizes come from the `gguf` package's table of ggml types, and where it is not
+    installed (a serving-only environment) only their start offsets are checked."""
     try:
-        from gguf import GGUFReader
+        table = read_table(path)
+    except GGUFError as e:
+        raise EngineFolderError(str(e)) from None
+    try:
+        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
     except ImportError:
-        return
-    try:
-        reader = GGUFReader(str(path))
-        end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
-    except Exception as e:  # noqa: BLE001 - any parse failure is a corrupt file
-        raise EngineFolderError(f"{path}: not a readable GGUF file, truncated or corrupt "
-                                f"({type(e).__name__}: {e})") from None
-    if end > path.stat().st_size:
-        raise EngineFolderError(f"{path}: {path.stat().st_size} bytes but its tensors end at {end} (truncated copy)")
+        GGML_QUANT_SIZES = None
+    end = table.data_start
+    for t in table.tensors:
+        nbytes = 0
+        if GGML_QUANT_SIZES is not None:
+            try:
+                block, type_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(t.ggml_type)]
+            except (ValueError, KeyError):
+                raise EngineFolderError(f"{path}: tensor {t.name!r:.80} has ggml type {t.ggml_type}, which the "
+                                        "gguf package does not know (corrupt, or newer than it)") from None
+            nbytes = t.elements // block * type_bytes
+        end = max(end, table.data_start + t.offset + nbytes)
+    size = path.stat().st_size
+    if end > size:
+        raise EngineFolderError(f"{path}: {size} bytes but its tensors end at {end} (truncated copy)")
 
 
 def check_engine_folder(folder: str | Path) -> dict[str, Any]:
