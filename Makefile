@@ -47,7 +47,7 @@ help:
 	@echo "make setup                 create $(VENV) with the pinned embedded environment"
 	@echo "make engine MODEL=mix      sources -> merge -> quantize -> drafter -> build into $(OUT)/ (BACKEND=auto|embedded|trtllm)"
 	@echo "make report MODEL=mix      summary of a finished build (times, sizes, checks, quality)"
-	@echo "make check MODEL=mix       validate the recipe only"
+	@echo "make check MODEL=mix       validate the recipe and its sources' checkpoint headers (no stage runs)"
 	@echo "make solve MODEL=mix       build if needed, then solve PROBLEMS=$(PROBLEMS) (results table, runs/$(MODEL)/)"
 	@echo "make triton MODEL=mix      serve the embedded engine behind a real Triton server (PyTriton); BACKEND=trtllm: tensorrtllm_backend repo + launch"
 	@echo "make solve BACKEND=triton  solve through a running Triton server (TRITON_URL=$(TRITON_URL))"

@@ -114,7 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m trtbuild", description=__doc__.splitlines()[0])
     p.add_argument("command", choices=(*STAGES, "engine", "check", "report", "doctor", "plan"))
     p.add_argument("--recipe", default="engines/mix.yaml", help="recipe file (default: engines/mix.yaml)")
-    p.add_argument("--backend", default="auto", choices=("auto", "embedded", "trtllm"))
+    p.add_argument("--backend", default="auto", choices=("auto", "embedded", "trtllm"),
+                   help="what the build stage builds: embedded (any machine), trtllm (a TensorRT-LLM GPU host), "
+                        "auto (trtllm where it can run, else embedded; default)")
     args = p.parse_args(argv)
     try:
         recipe = load_recipe(args.recipe)

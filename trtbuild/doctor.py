@@ -52,9 +52,11 @@ def report(recipe: Optional[Recipe] = None, env: Optional[TrtllmEnv] = None) -> 
         if merged.is_file():
             problems = preflight.check(recipe, env if env.gpus else None, preflight.read_json(merged),
                                        preflight.load_drafter_config(recipe))
-            lines.append("trtllm preflight: " + ("ok" if not problems else "")
-                         + "".join(f"\n  - {p}" for p in problems))
+            lines.append("the recipe against TensorRT-LLM's limits (preflight): " + ("ok" if not problems else "")
+                         + "".join(f"\n  - {p}" for p in problems)
+                         + ("" if env.usable else " (the recipe fits; TensorRT-LLM itself is not runnable here)"))
         else:
-            lines.append("trtllm preflight: waits for the merged model (`make merge`)")
+            lines.append("the recipe against TensorRT-LLM's limits (preflight): waits for the merged model "
+                         "(`make merge`)")
         usable = env.usable if wanted == "trtllm" else (ok_emb or env.usable)
     return "\n".join(lines), usable
