@@ -367,6 +367,32 @@ def test_an_engine_that_fails_to_load_says_why(tiny_models, tmp_path):
         assert r.status_code == 503 and "no weights here" in r.json()["error"]["message"]
 
 
+def test_models_retrieve_chat_prompt_fields_and_detokenize_in_chat(client):
+    """The openai client's models.retrieve works (404 for another id); vLLM's chat fields that would change
+    the prompt get a 400 naming them instead of being ignored (their no-op values are accepted);
+    detokenize: false sends ids only in chat too."""
+    m = client.models.retrieve("tiny")
+    assert m.id == "tiny" and m.model_extra["max_model_len"] == 384
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-9")
+    assert e.value.code == "model_not_found"
+    msgs = [{"role": "user", "content": "Hi"}]
+    for field, value in (("add_generation_prompt", False), ("continue_final_message", True),
+                         ("chat_template", "{{ messages }}"), ("chat_template_kwargs", {"enable_thinking": False})):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="tiny", messages=msgs, max_tokens=2, extra_body={field: value})
+        assert e.value.param == field and field in e.value.message, e.value.body
+    no_ops = {"add_generation_prompt": True, "continue_final_message": False, "chat_template_kwargs": {}}
+    plain, same = (client.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, temperature=0,
+                                                  extra_body=extra).choices[0].message.content
+                   for extra in ({}, no_ops))
+    assert plain == same
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, temperature=0,
+                                       extra_body={"detokenize": False})
+    ids = r.choices[0].model_extra["token_ids"]
+    assert r.choices[0].message.content == "" and len(ids) == r.usage.completion_tokens
+
+
 def test_serve_refuses_at_once_what_it_cannot_do(tiny_models, capsys):
     """Before anything says "listening" or loads: a backend it does not know, a backend --engine cannot
     take, the openai backend without --url, a taken port (named, with how to pick another)."""
