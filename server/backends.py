@@ -106,7 +106,8 @@ def open_for_recipe(recipe: Any, backend: str = "auto", triton_url: str = "local
         return driver("triton")(triton_url, str(tokenizer_dir(layout)))
     if chosen == "openai":
         if not url:
-            raise ValueError("backend openai: give the server URL(s): URL=http://host:8000/v1[,http://host2:8000/v1]")
+            raise ValueError("backend openai: give the server URL(s): --url http://host:8000/v1[,http://host2:8000/v1] "
+                             "(make: URL=...)")
         return driver("openai")(url, str(tokenizer_dir(layout)))
     folder = layout.engine(chosen)
     if not layout.has_engine(chosen):

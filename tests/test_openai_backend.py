@@ -62,6 +62,24 @@ def test_urls_and_error_bodies():
     assert error_message('{"detail": "nope"}') == "nope" and error_message("plain") == "plain"
 
 
+def test_a_server_in_front_of_the_replicas_reports_their_context(replicas, tiny_models):
+    """`make serve BACKEND=openai` serves an OpenAIEngine: its /v1/models carries the smallest context its
+    replicas report (it was null, so a client of that server lost the cap on max_tokens), and a prompt
+    plus max_tokens over it is refused as the replicas would."""
+    from server.openai.api import Api
+    from server.openai.api_error import ApiError
+
+    eng = engine_for([r.url for r in replicas], tiny_models)
+    try:
+        api = Api(eng, "tiny")
+        assert eng.max_seq_len == 384 and api.models()["data"][0]["max_model_len"] == 384
+        with pytest.raises(ApiError, match="Ask for at most"):
+            run(api.parser.parse(b'{"prompt": [5, 6, 7], "max_tokens": 400}', chat=False))
+        api.close()
+    finally:
+        eng.shutdown()
+
+
 def test_greedy_tokens_and_continuations_are_exact_through_http(replicas, local, tiny_models):
     eng = engine_for(replicas[0].url, tiny_models)
     try:

@@ -204,7 +204,9 @@ def test_bad_requests_get_the_api_error_shape_naming_the_field(server, client, l
 
 class GatedEngine:
     """The real engine, except that each request's stream stops after `hold_after` deltas until the
-    test releases it: a request that cannot finish while the test holds it, on any machine's speed.
+    test releases it, or until the server cancels it (then it ends there, "cancelled", as the engine
+    ends a request it cancels): a request that cannot finish while the test holds it, on any machine's
+    speed (the inner engine may have finished it meanwhile; the gate is what the server sees).
     Every other attribute is the real engine's; its `cancel` is recorded (what the server asked)."""
 
     def __init__(self, inner, hold_after: int = 3):
@@ -223,31 +225,38 @@ class GatedEngine:
         return getattr(self.inner, name)
 
     async def generate(self, request):
-        from aimo_spec.protocol import Delta
+        from aimo_spec.protocol import Delta, Final
 
         events = self.inner.generate(request)
-        deltas = 0
+        sent: list[Delta] = []
         try:
             async for ev in events:
                 yield ev
-                deltas += isinstance(ev, Delta)
-                if deltas == self.hold_after:
+                if isinstance(ev, Delta):
+                    sent.append(ev)
+                if len(sent) == self.hold_after and isinstance(ev, Delta):
                     self.held.append(request.request_id)
-                    while not self.released.is_set():
+                    while not self.released.is_set() and request.request_id not in self.cancelled:
                         await asyncio.sleep(0.01)
+                    if request.request_id in self.cancelled:  # the engine ends it where it was held
+                        yield Final(request.request_id, "cancelled", "".join(d.text for d in sent),
+                                    tuple(t for d in sent for t in d.token_ids), len(request.prompt))
+                        return
         finally:
             await events.aclose()
 
 
 @contextlib.contextmanager
-def in_thread(app: Any, before_stop: Callable[[], Any] = lambda: None) -> Iterator[tuple[str, Any, threading.Thread]]:
+def in_thread(app: Any, before_stop: Callable[[], Any] = lambda: None,
+              make_server: Callable[[Any], Any] = None) -> Iterator[tuple[str, Any, threading.Thread]]:
     """`app` under a real uvicorn on loopback, in a thread of this process: (its base URL, the uvicorn
     server, the thread). On the way out `before_stop` runs (to release what the app waits on), then
-    the server stops and the thread is joined."""
+    the server stops and the thread is joined. `make_server`: the server class for a uvicorn Config
+    (default uvicorn's own)."""
     import uvicorn
 
     port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    srv = (make_server or uvicorn.Server)(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     try:
@@ -258,9 +267,10 @@ def in_thread(app: Any, before_stop: Callable[[], Any] = lambda: None) -> Iterat
         thread.join(30)
 
 
-@pytest.fixture()
-def gated_server(tiny_models):
-    """`make serve`'s app in this process (real uvicorn on loopback) over a GatedEngine."""
+@contextlib.contextmanager
+def gated(tiny_models, make_server: Callable[[Any], Any] = None):
+    """`make serve`'s app in this process (real uvicorn on loopback) over a GatedEngine: (base URL, the
+    engine, the Api, the uvicorn server, its thread)."""
     from server.embedded.engine import EmbeddedEngine
     from server.openai.app import create_app
 
@@ -271,9 +281,17 @@ def gated_server(tiny_models):
                                                             max_seq_len=384, threads=1))
         return box["engine"]
     app = create_app(load, "tiny")
-    with in_thread(app, before_stop=lambda: box["engine"].released.set()) as (base, srv, _):
+    maker = make_server and (lambda config: make_server(config, app.state.serving))
+    with in_thread(app, before_stop=lambda: box["engine"].released.set(), make_server=maker) as (base, srv, thread):
         assert wait_for(lambda: srv.started and app.state.serving.api is not None, 60)
-        yield base, box["engine"], app.state.serving.api
+        yield base, box["engine"], app.state.serving.api, srv, thread
+
+
+@pytest.fixture()
+def gated_server(tiny_models):
+    """`make serve`'s app in this process (real uvicorn on loopback) over a GatedEngine."""
+    with gated(tiny_models) as (base, engine, api, _, _):
+        yield base, engine, api
 
 
 def test_a_client_that_disconnects_cancels_its_engine_request(gated_server):
@@ -349,8 +367,109 @@ def test_an_engine_that_fails_to_load_says_why(tiny_models, tmp_path):
         assert r.status_code == 503 and "no weights here" in r.json()["error"]["message"]
 
 
+def test_models_retrieve_chat_prompt_fields_and_detokenize_in_chat(client):
+    """The openai client's models.retrieve works (404 for another id); vLLM's chat fields that would change
+    the prompt get a 400 naming them instead of being ignored (their no-op values are accepted);
+    detokenize: false sends ids only in chat too."""
+    m = client.models.retrieve("tiny")
+    assert m.id == "tiny" and m.model_extra["max_model_len"] == 384
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-9")
+    assert e.value.code == "model_not_found"
+    msgs = [{"role": "user", "content": "Hi"}]
+    for field, value in (("add_generation_prompt", False), ("continue_final_message", True),
+                         ("chat_template", "{{ messages }}"), ("chat_template_kwargs", {"enable_thinking": False})):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="tiny", messages=msgs, max_tokens=2, extra_body={field: value})
+        assert e.value.param == field and field in e.value.message, e.value.body
+    no_ops = {"add_generation_prompt": True, "continue_final_message": False, "chat_template_kwargs": {}}
+    plain, same = (client.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, temperature=0,
+                                                  extra_body=extra).choices[0].message.content
+                   for extra in ({}, no_ops))
+    assert plain == same
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, temperature=0,
+                                       extra_body={"detokenize": False})
+    ids = r.choices[0].model_extra["token_ids"]
+    assert r.choices[0].message.content == "" and len(ids) == r.usage.completion_tokens
+
+
+def test_serve_refuses_at_once_what_it_cannot_do(tiny_models, capsys):
+    """Before anything says "listening" or loads: a backend it does not know, a backend --engine cannot
+    take, the openai backend without --url, a taken port (named, with how to pick another)."""
+    import socket
+
+    from server.programs import serve
+
+    engine = str(tiny_models["llama-tir"])
+    for argv, said in ((["--engine", engine, "--backend", "foo"], "invalid choice: 'foo'"),
+                       (["--engine", engine, "--backend", "triton"], "--engine serves its folder with the embedded"),
+                       (["--recipe", "no.yaml", "--backend", "openai"], "--url http://")):
+        with pytest.raises(SystemExit) as e:
+            serve.main(argv)
+        assert e.value.code == 2 and said in capsys.readouterr().err, argv
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert serve.main(["--engine", engine, "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"port {port} on 127.0.0.1 is taken" in err and "--port" in err and "PORT=" in err
+    assert "listening" not in err
+
+
+def test_the_drain_deadline_cancels_what_still_runs_and_every_response_ends_properly(tiny_models):
+    """SIGTERM's drain (`server.openai.drain`) at its deadline: requests held in the engine (they cannot
+    finish first, on any machine) are cancelled by the server itself, so the stream still gets its
+    finish chunk and `[DONE]` and the whole response a 200; then the server stops by itself."""
+    import json
+
+    import httpx2
+
+    from server.openai.drain import DrainingServer
+
+    said: list[str] = []
+
+    def make(config, state):
+        return DrainingServer(config, state, drain_seconds=0.5, log=said.append)
+    with gated(tiny_models, make) as (base, engine, api, srv, thread):
+        prompt = engine.tokenize(engine.chat_prompt("Go on forever."))
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 300, "ignore_eos": True, "temperature": 0.8}
+        whole: dict[str, Any] = {}
+        waiter = threading.Thread(target=lambda: whole.update(r=httpx2.post(f"{base}/v1/completions", json=body,
+                                                                           timeout=60)))
+        waiter.start()
+        with httpx2.stream("POST", f"{base}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            assert wait_for(lambda: len(engine.held) == 2)
+            srv.drain()
+            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "abort"
+        assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+        waiter.join(60)
+        assert whole["r"].status_code == 200 and whole["r"].json()["choices"][0]["finish_reason"] == "abort"
+        assert set(engine.cancelled) == set(engine.held)  # (cancelled again each tick until it ends: harmless)
+        assert wait_for(lambda: not thread.is_alive(), 60)  # stopped by itself once nothing ran
+    assert any("cancelling 2 running" in line for line in said), said
+
+
 def test_sigterm_drains_running_requests_then_exits_cleanly(server, client, local):
-    """Last in this file: it stops the module's server."""
+    """Last in this file: it stops the module's server. A request still sending its body when SIGTERM
+    comes keeps the drain open for as long as the test likes (on any machine's speed); meanwhile the
+    port stays open and answers 503 `draining` (/health and new requests), the running stream
+    finishes in full, and the held request, once its body is in, is answered. Then the process exits
+    0 with no traceback in its log."""
+    import json
+    import socket
+
+    import httpx2
+
+    body = json.dumps({"model": "tiny", "prompt": "Hi", "max_tokens": 3}).encode()
+    slow = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+    slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body[:5]))
+    # this /metrics request and the slow one
+    assert wait_for(lambda: server.metrics()["aimo_http_requests_active"] == 2)
     prompt = local.tokenize(local.chat_prompt("Talk for a while."))
     stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=150, temperature=0.8, stream=True,
                                        extra_body={"ignore_eos": True, "return_token_ids": True})
@@ -362,8 +481,22 @@ def test_sigterm_drains_running_requests_then_exits_cleanly(server, client, loca
         if len(ids) == 5:
             server.proc.send_signal(signal.SIGTERM)
     assert len(ids) == 150 and finish == "length"  # the running request finished in full
+    assert wait_for(lambda: httpx2.get(server.base + "/health", timeout=5).status_code == 503)
+    health = httpx2.get(server.base + "/health", timeout=5)
+    assert health.json()["status"] == "draining"
+    with pytest.raises(openai.APIStatusError) as e:
+        client.completions.create(model="tiny", prompt="x", max_tokens=2)
+    assert e.value.status_code == 503 and e.value.code == "draining"
+    slow.sendall(body[5:])
+    answer = b""
+    while chunk := slow.recv(65536):  # the server closes the connection as it shuts down
+        answer += chunk
+    slow.close()
+    head, _, rest = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and json.loads(rest)["usage"]["completion_tokens"] >= 1
     assert server.proc.wait(timeout=30) == 0
     log = server.log.read_text()
     assert "draining" in log and "[serve] stopped" in log
+    assert "Traceback" not in log and "CancelledError" not in log
     with pytest.raises(openai.APIConnectionError):
         client.completions.create(model="tiny", prompt="x", max_tokens=2)

@@ -28,6 +28,7 @@ class Api:
         self.max_seq_len: Optional[int] = self.parser.max_seq_len
         self.finished: dict[str, int] = {}
         self.running = 0
+        self._open: set[str] = set()  # engine request ids whose Final has not come (cancel_running)
         self.generated_tokens = 0
         self.prompt_tokens = 0
 
@@ -45,6 +46,8 @@ class Api:
         self.running += len(reqs)
         self.prompt_tokens += sum(len(p) for p in job.prompts)
         open_ = {i for i, _, _ in reqs}  # choices whose Final has not come: cancelled if the caller leaves
+        ids = {i: req.request_id for i, _, req in reqs}
+        self._open.update(ids.values())
         try:
             if len(reqs) == 1:
                 index, _, req = reqs[0]
@@ -52,6 +55,7 @@ class Api:
                     if isinstance(ev, Final):
                         self._count(ev)
                         open_.discard(index)
+                        self._open.discard(ids[index])
                     yield index, ev
                 return
             queue: asyncio.Queue = asyncio.Queue()
@@ -72,6 +76,7 @@ class Api:
                     if isinstance(ev, Final):
                         left -= 1
                         open_.discard(index)
+                        self._open.discard(ids[index])
                     yield index, ev
             finally:
                 for t in tasks:
@@ -79,8 +84,15 @@ class Api:
                 await asyncio.gather(*tasks, return_exceptions=True)
         finally:
             self.running -= len(reqs)
+            self._open.difference_update(ids.values())
             if open_:
                 self.finished["cancelled"] = self.finished.get("cancelled", 0) + len(open_)
+
+    def cancel_running(self) -> None:
+        """Cancel every engine request still running (the drain's deadline): each ends with its Final
+        ("cancelled"), so its response still ends properly."""
+        for rid in list(self._open):
+            self.engine.cancel(rid)
 
     async def complete(self, job: Job) -> dict[str, Any]:
         """The non-streamed response (raises ApiError when an engine request failed)."""
@@ -112,8 +124,15 @@ class Api:
 
     def models(self) -> dict[str, Any]:
         """The `GET /v1/models` answer: the one model served, with its context length."""
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
-                                            "owned_by": "aimo-trt", "max_model_len": self.max_seq_len}]}
+        return {"object": "list", "data": [self.model(self.model_name)]}
+
+    def model(self, name: str) -> dict[str, Any]:
+        """The `GET /v1/models/{name}` answer: the served model's object, else a 404 `model_not_found`."""
+        if name != self.model_name:
+            raise ApiError(404, f"The model {name[:200]!r} does not exist (this server serves {self.model_name!r})",
+                           "model", code="model_not_found")
+        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "aimo-trt",
+                "max_model_len": self.max_seq_len}
 
     def metrics(self) -> str:
         """The counters as Prometheus text (`GET /metrics`)."""

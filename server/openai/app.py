@@ -3,9 +3,9 @@
     app = create_app(lambda: open_engine("engines/mix/build/embedded"), model_name="mix")
 
 Endpoints: `POST /v1/completions` (prompt as text, token ids, or a list of either),
-`POST /v1/chat/completions` (the tokenizer's chat template), `GET /v1/models`, `GET /health`
+`POST /v1/chat/completions` (the tokenizer's chat template), `GET /v1/models` and `/v1/models/{id}`, `GET /health`
 (200 once the engine serves; 503 while it loads, after it failed to load, and while draining),
-`GET /metrics` (Prometheus text: requests by finish reason, running, tokens).
+`GET /metrics` (Prometheus text: requests by finish reason, running, tokens, HTTP requests being answered).
 
 Fields: model, max_tokens (chat: also max_completion_tokens), temperature, top_p, top_k, seed, stop,
 n, stream, stream_options.include_usage, logprobs (completions: an int; chat: a bool with
@@ -60,6 +60,24 @@ def request_id(header: Optional[str]) -> str:
     return rid or uuid.uuid4().hex
 
 
+class Counted:
+    """ASGI middleware: `state.active` counts the HTTP requests being answered (a stream until its
+    last byte), so the drain (`server.openai.drain`) knows when none is left."""
+
+    def __init__(self, app: Any, state: State):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        self.state.active += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.state.active -= 1
+
+
 def create_app(load: Callable[[], Any], model_name: str,
                on_failure: Optional[Callable[[BaseException], None]] = None,
                max_request_bytes: int = MAX_REQUEST_BYTES, body_seconds: float = BODY_SECONDS,
@@ -73,6 +91,7 @@ def create_app(load: Callable[[], Any], model_name: str,
 
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
+    from starlette.middleware import Middleware
     from starlette.requests import ClientDisconnect
     from starlette.requests import Request as HttpRequest
     from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -190,6 +209,10 @@ def create_app(load: Callable[[], Any], model_name: str,
     async def models(request: HttpRequest, rid: str) -> Response:
         return JSONResponse(state.serving().models())
 
+    async def model(request: HttpRequest, rid: str) -> Response:
+        """`GET /v1/models/{id}` (the openai client's `models.retrieve`): the served model, else 404."""
+        return JSONResponse(state.serving().model(request.path_params["model"]))
+
     async def health(request: HttpRequest) -> Response:
         status = "draining" if state.draining else "ok" if state.api else "failed" if state.error else "loading"
         body: dict[str, Any] = {"status": status, "model": model_name}
@@ -198,7 +221,8 @@ def create_app(load: Callable[[], Any], model_name: str,
         return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     async def metrics(request: HttpRequest) -> Response:
-        return PlainTextResponse(state.api.metrics() if state.api else "")
+        active = f"# TYPE aimo_http_requests_active gauge\naimo_http_requests_active {state.active}\n"
+        return PlainTextResponse((state.api.metrics() if state.api else "") + active)
 
     async def http_error(request: HttpRequest, exc: Exception) -> Response:
         """Starlette's own refusals (an unknown path, a wrong method) in the API's error shape."""
@@ -221,9 +245,11 @@ def create_app(load: Callable[[], Any], model_name: str,
         Route("/v1/completions", guarded(completions), methods=["POST"]),
         Route("/v1/chat/completions", guarded(chat_completions), methods=["POST"]),
         Route("/v1/models", guarded(models), methods=["GET"]),
+        Route("/v1/models/{model:path}", guarded(model), methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
-    ], lifespan=lifespan, exception_handlers={HTTPException: http_error})
+    ], lifespan=lifespan, exception_handlers={HTTPException: http_error},
+        middleware=[Middleware(Counted, state=state)])
     app.state.serving = state
     app.state.reading_body = reading
     return app

@@ -103,6 +103,14 @@ class OpenAIEngine(EngineBase):
         return all(r.probed and r.salts for r in self.replicas)
 
     @property
+    def max_seq_len(self) -> Optional[int]:
+        """The smallest context the probed replicas report (`max_model_len`; None when none does): what
+        `make serve --backend openai` reports in its own /v1/models, so a client of that server (this
+        backend included) caps max_tokens as it would against the replicas themselves."""
+        known = [r.max_model_len for r in self.replicas if r.probed and r.max_model_len]
+        return min(known) if known else None
+
+    @property
     def ready(self) -> bool:
         now = time.monotonic()
         return not self._closed and any(r.probed and r.up(now) for r in self.replicas)

@@ -184,6 +184,14 @@ class RequestParser:
             raise ApiError(400, "messages is required: a non-empty list of {role, content}", "messages")
         for name in ("tools", "functions"):
             refuse_unsupported(body, name, lambda v: not v, "no tool calling; the TIR client runs code itself")
+        # vLLM's fields that change the prompt: only their no-op values (the tokenizer's own template,
+        # ending with the assistant's open turn) are what this server does
+        refuse_unsupported(body, "add_generation_prompt", lambda v: v is True,
+                           "the prompt always ends with the assistant's open turn")
+        refuse_unsupported(body, "continue_final_message", lambda v: v is False,
+                           "the last message is never continued; send it as a completions prompt")
+        refuse_unsupported(body, "chat_template", lambda v: not v, "the tokenizer's own chat template is used")
+        refuse_unsupported(body, "chat_template_kwargs", lambda v: v == {}, "the chat template takes no arguments")
         fmt = body.get("response_format")
         refuse_unsupported(body, "response_format", lambda v: isinstance(v, dict) and v.get("type") == "text",
                      "no structured output")

@@ -73,7 +73,8 @@ class ResponseShaper:
                final: Optional[Final], delta: bool) -> dict[str, Any]:
         """One choice: whole (`message`/`text`) or a stream delta; `offset`: text already sent (logprob offsets)."""
         c: dict[str, Any] = {"index": index}
-        if job.kind == "chat":
+        if job.kind == "chat":  # detokenize: false sends ids only, as on completions
+            text = text if job.text_out else ""
             if delta:
                 c["delta"] = {"content": text} if text else {}
             else:

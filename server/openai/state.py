@@ -21,6 +21,7 @@ class State:
         self.api: Optional[Api] = None
         self.error: Optional[str] = None
         self.draining = False
+        self.active = 0  # HTTP requests being answered now: the drain ends when none is left
         self.started = time.monotonic()
         self.loaded_seconds: Optional[float] = None
         self._load, self._on_failure = load, on_failure

@@ -4,10 +4,12 @@
         [--port 8000]
     python -m server.programs.serve --engine engines/mix/build/embedded     # an engine folder or an HF checkpoint
 
-The port opens at once and answers 503 while the engine loads; a line `[serve] ready: ...` says
-when it serves. SIGTERM (or Ctrl-C) drains: no new requests (503), the running ones finish within
---drain-seconds, after which they are cancelled; then the engine closes and the process exits 0.
-A second signal exits at once. An engine that fails to load ends the process with status 1.
+The port opens at once (a taken one is an error naming it, before anything else) and answers 503
+while the engine loads; a line `[serve] ready: ...` says when it serves. SIGTERM (or Ctrl-C) drains
+(`server.openai.drain`): the port stays open, `/health` and new requests get 503 `draining`, the
+running ones finish within --drain-seconds, after which they are cancelled (each still ends properly:
+finish_reason "abort", then `[DONE]`); then the engine closes and the process exits 0. A second
+signal exits at once. An engine that fails to load ends the process with status 1.
 `--backend openai --url A,B` serves other OpenAI-compatible servers through this one (a fan-out
 over replicas, with the openai backend's routing and fail-over).
 """
@@ -15,6 +17,7 @@ over replicas, with the openai backend's routing and fail-over).
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 import time
 from pathlib import Path
@@ -59,7 +62,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--recipe", help="serve this recipe's built engine (engines/<model>.yaml)")
     src.add_argument("--engine", help="serve this engine folder (engine.json) or HF checkpoint (config.json)")
-    ap.add_argument("--backend", default="auto", help=" | ".join(SERVING_BACKENDS) + " (with --recipe)")
+    ap.add_argument("--backend", default="auto", choices=SERVING_BACKENDS,
+                    help="which engine serves the recipe (with --recipe; --engine is always embedded)")
     ap.add_argument("--triton-url", default="localhost:8001", help="with --backend triton: the server's gRPC address")
     ap.add_argument("--url", default="", help="with --backend openai: the servers, comma-separated")
     ap.add_argument("--host", default="127.0.0.1")
@@ -73,20 +77,42 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--access-log", action="store_true", help="log every HTTP request")
     ap.add_argument("--deterministic", action="store_true",
                     help="embedded engine: the same greedy tokens for a request alone and in any batch "
-                         "(slower; README)")
+                         "(slower; docs/serving.md#deterministic-mode)")
     ap.add_argument("--max-request-bytes", type=int, default=None,
                     help="refuse bodies over this size with 413 "
                          "(default 8 MiB: a 128k-token prompt as JSON ids is ~1 MB)")
     args = ap.parse_args(argv)
+    if args.engine and args.backend not in ("auto", "embedded"):
+        ap.error(f"--engine serves its folder with the embedded engine; --backend {args.backend} needs "
+                 f"--recipe (make serve MODEL=<model> BACKEND={args.backend})")
+    if args.backend == "openai" and not args.url:
+        ap.error("--backend openai: give the server URL(s): --url http://host:8000/v1[,http://host2:8000/v1] "
+                 "(make serve BACKEND=openai URL=...)")
+    if args.deterministic and args.backend not in ("auto", "embedded"):
+        print(f"serve: --deterministic is the embedded engine's mode (not --backend {args.backend})", file=sys.stderr)
+        return 2
+    if args.max_request_bytes is not None and args.max_request_bytes < 1:
+        print(f"serve: --max-request-bytes must be >= 1 (got {args.max_request_bytes})", file=sys.stderr)
+        return 2
+    if args.drain_seconds < 0:
+        print(f"serve: --drain-seconds must be >= 0 (got {args.drain_seconds:g})", file=sys.stderr)
+        return 2
     try:
         import uvicorn
 
         from server.openai.app import create_app
+        from server.openai.drain import CUT_GRACE_SECONDS, DrainingServer, listen
     except ImportError as e:
         print(f"serve: {e}; install the pinned environment (`make setup`)", file=sys.stderr)
         return 2
-    if args.deterministic and args.backend not in ("auto", "embedded"):
-        print(f"serve: --deterministic is the embedded engine's mode (not --backend {args.backend})", file=sys.stderr)
+    try:  # before anything says "listening", and before the engine loads
+        sock = listen(args.host, args.port)
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            print(f"serve: port {args.port} on {args.host} is taken (another server listens there): pick another "
+                  f"with --port <n> (make serve PORT=<n>)", file=sys.stderr)
+        else:
+            print(f"serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 2
     try:
         load, name = engine_loader(args)
@@ -105,26 +131,12 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     from server.openai.app import MAX_REQUEST_BYTES
 
-    if args.max_request_bytes is not None and args.max_request_bytes < 1:
-        print(f"serve: --max-request-bytes must be >= 1 (got {args.max_request_bytes})", file=sys.stderr)
-        return 2
     app = create_app(load, name, on_failure, max_request_bytes=args.max_request_bytes or MAX_REQUEST_BYTES)
     state = app.state.serving
 
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig: int, frame: Any) -> None:
-            """Drain on the first signal, exit at once on the second; then exit 0 (uvicorn's own
-            handler re-raises the signal after shutdown, which would end the process by it)."""
-            if self.should_exit:
-                self.force_exit = True
-                return
-            _log(f"signal {sig}: draining (running requests get {args.drain_seconds:.0f}s), then exit")
-            state.draining = True
-            self.should_exit = True
-
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=args.access_log,
-                            timeout_graceful_shutdown=int(max(1, args.drain_seconds)), lifespan="on")
-    server = Server(config)
+                            timeout_graceful_shutdown=int(CUT_GRACE_SECONDS), lifespan="on")
+    server = DrainingServer(config, state, args.drain_seconds)
     t0 = time.monotonic()
     _log(f"listening on http://{args.host}:{args.port}/v1 (model {name!r}); loading the engine")
 
@@ -139,7 +151,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                  f"{getattr(api.engine, 'name', '?')}, loaded in {time.monotonic() - t0:.1f}s"
                  + (f", max_input_len {api.max_input_len}" if api.max_input_len else ""))
     threading.Thread(target=announce, daemon=True).start()
-    server.run()
+    server.run(sockets=[sock])
     if failed:
         return 1
     _log("stopped")
