@@ -343,10 +343,12 @@ def test_503_while_loading_then_ready(tiny_models):
         assert wait_for(lambda: srv.started)
         health = httpx2.get(base + "/health", timeout=5)
         assert health.status_code == 503 and health.json()["status"] == "loading"
+        assert health.headers["retry-after"] == "5"  # what a client (the openai one does) waits before retrying
         c = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
         with pytest.raises(openai.APIStatusError) as e:
             c.completions.create(model="tiny", prompt="hi", max_tokens=2)
         assert e.value.status_code == 503 and e.value.code == "engine_loading"
+        assert e.value.response.headers["retry-after"] == "5"
         gate.set()
         assert wait_for(lambda: httpx2.get(base + "/health", timeout=5).status_code == 200, 60)
         assert c.completions.create(model="tiny", prompt="hi", max_tokens=2).usage.completion_tokens >= 1

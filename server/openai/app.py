@@ -40,7 +40,7 @@ from server.openai.api import Api
 from server.openai.api_error import ApiError, dumps
 from server.openai.job import Job
 from server.openai.sse import sse_stream
-from server.openai.state import State
+from server.openai.state import LOADING_RETRY_SECONDS, State
 
 MAX_REQUEST_BYTES = 8 << 20  # default body limit (413 above it); `make serve` --max-request-bytes changes it
 # A body must arrive within this many seconds (408 after): a client holding a body open held its bytes in
@@ -100,7 +100,10 @@ def create_app(load: Callable[[], Any], model_name: str,
     state = State(load, model_name, on_failure)
 
     def error(e: ApiError, rid: str = "") -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status, headers={"x-request-id": rid} if rid else None)
+        headers = {"x-request-id": rid} if rid else {}
+        if e.retry_after is not None:
+            headers["retry-after"] = str(e.retry_after)
+        return JSONResponse(e.body(), status_code=e.status, headers=headers or None)
 
     reading = {"bytes": 0}  # of the bodies being read now
     pending_budget = pending_body_bytes or PENDING_BODIES * max_request_bytes
@@ -130,7 +133,7 @@ def create_app(load: Callable[[], Any], model_name: str,
                 if got > max_request_bytes:
                     raise ApiError(413, too_big, code="request_too_large")
                 if reading["bytes"] > pending_budget:
-                    raise ApiError(503, "the server is reading too many request bodies at once; retry",
+                    raise ApiError(503, "the server is reading too many request bodies at once; retry", retry_after=1,
                                    type_="server_error", code="server_busy")
         try:
             await asyncio.wait_for(collect(), body_seconds)
@@ -218,7 +221,8 @@ def create_app(load: Callable[[], Any], model_name: str,
         body: dict[str, Any] = {"status": status, "model": model_name}
         if state.error:
             body["error"] = state.error
-        return JSONResponse(body, status_code=200 if status == "ok" else 503)
+        return JSONResponse(body, status_code=200 if status == "ok" else 503,
+                            headers={"retry-after": str(LOADING_RETRY_SECONDS)} if status == "loading" else None)
 
     async def metrics(request: HttpRequest) -> Response:
         active = f"# TYPE aimo_http_requests_active gauge\naimo_http_requests_active {state.active}\n"

@@ -11,6 +11,8 @@ from typing import Any, Callable, Optional
 from server.openai.api import Api
 from server.openai.api_error import ApiError
 
+LOADING_RETRY_SECONDS = 5  # Retry-After of a 503 while the engine loads (a load takes seconds to minutes)
+
 
 class State:
     """The engine as it loads (in a thread, so the server answers 503 meanwhile), serves, and drains."""
@@ -49,7 +51,7 @@ class State:
                 raise ApiError(503, f"the engine failed to load: {self.error}", type_="service_unavailable",
                                code="engine_failed")
             raise ApiError(503, f"the engine is loading ({time.monotonic() - self.started:.0f}s so far)",
-                           type_="service_unavailable", code="engine_loading")
+                           type_="service_unavailable", code="engine_loading", retry_after=LOADING_RETRY_SECONDS)
         return self.api
 
     async def close(self) -> None:
