@@ -455,6 +455,33 @@ def test_the_drain_deadline_cancels_what_still_runs_and_every_response_ends_prop
     assert any("cancelling 2 running" in line for line in said), said
 
 
+def test_a_second_signal_cuts_the_drain_short_and_responses_still_end_properly(tiny_models):
+    """Ctrl-C twice: the second cancels what runs now (a drain of 10 minutes does not wait), each stream
+    still ends with its finish chunk and [DONE], and the server stops by itself (the engine closes)."""
+    import signal as signals
+
+    import httpx2
+
+    from server.openai.drain import DrainingServer
+
+    said: list[str] = []
+
+    def make(config, state):
+        return DrainingServer(config, state, drain_seconds=600, log=said.append)
+    with gated(tiny_models, make) as (base, engine, api, srv, thread):
+        prompt = engine.tokenize(engine.chat_prompt("Go on forever."))
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 300, "ignore_eos": True, "stream": True}
+        with httpx2.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as r:
+            assert wait_for(lambda: len(engine.held) == 1)
+            srv.handle_exit(signals.SIGINT, None)
+            assert srv.deadline is not None and not srv.should_exit  # draining: the request runs on
+            srv.handle_exit(signals.SIGINT, None)
+            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and '"finish_reason":"abort"' in events[-2]
+        assert wait_for(lambda: not thread.is_alive(), 60) and not srv.force_exit
+    assert any("again: cancelling the running requests now" in line for line in said), said
+
+
 def test_sigterm_drains_running_requests_then_exits_cleanly(server, client, local):
     """Last in this file: it stops the module's server. A request still sending its body when SIGTERM
     comes keeps the drain open for as long as the test likes (on any machine's speed); meanwhile the

@@ -29,7 +29,8 @@ def _log(msg: str) -> None:
 
 class DrainingServer(uvicorn.Server):
     """uvicorn's server with this project's drain (see the module doc). `state` is the app's State
-    (`app.state.serving`); `drain()` is what the first SIGTERM or Ctrl-C does, a second one exits at once."""
+    (`app.state.serving`); `drain()` is what the first SIGTERM or Ctrl-C does; a second one cuts it
+    short, a third exits at once."""
 
     def __init__(self, config: uvicorn.Config, state: Any, drain_seconds: float,
                  log: Callable[[str], None] = _log):
@@ -39,10 +40,16 @@ class DrainingServer(uvicorn.Server):
         self.cut = False
 
     def handle_exit(self, sig: int, frame: Any) -> None:
-        """Drain on the first signal, exit at once on the second. The signal is not re-raised after the
-        shutdown (uvicorn's own handler does, which would end the process by it instead of status 0)."""
-        if self.deadline is not None or self.should_exit:
+        """Drain on the first signal; on the second, cut the drain short (the running requests are
+        cancelled now, so they still end properly and the engine still closes); a third exits at once,
+        as it is. The signal is not re-raised after the shutdown (uvicorn's own handler does, which would
+        end the process by it instead of status 0)."""
+        if self.should_exit or (self.deadline is not None and self.cut):
             self.force_exit = self.should_exit = True
+            return
+        if self.deadline is not None:
+            self.log(f"signal {sig} again: cancelling the running requests now")
+            self.deadline = time.monotonic()
             return
         self.log(f"signal {sig}: draining (running requests get {self.drain_seconds:g}s), then exit")
         self.drain()
