@@ -93,9 +93,8 @@ class _Reader:
             elif item == STRING:
                 for _ in range(n):
                     self.skip(self.count("a string's length", self.size - self.f.tell()))
-            else:  # nested arrays: none in the files llama.cpp writes, walked the same way
-                for _ in range(n):
-                    self.skip_value(item)
+            else:  # arrays of arrays: llama.cpp refuses them too (and nesting them 5000 deep overflowed the stack)
+                raise self.fail(f"an array of value type {item}")
         else:
             raise self.fail(f"unknown value type {kind}")
 

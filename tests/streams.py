@@ -30,8 +30,8 @@ async def engine_thread_held(engine: Any, queued: int, seconds: float = 60.0) ->
     held = threading.Thread(target=engine.call_in_engine_thread, args=(lambda: entered.set() or gate.wait(),),
                             daemon=True, name="engine-held")
     held.start()
-    assert await asyncio.to_thread(entered.wait, seconds), "the engine thread never reached the gate"
     try:
+        assert await asyncio.to_thread(entered.wait, seconds), "the engine thread never reached the gate"
         yield
         for _ in range(int(seconds * 100)):  # each submission is queued as its task first runs
             if engine._inbox.qsize() >= queued:

@@ -77,3 +77,13 @@ def test_a_cut_header_is_named_and_a_hostile_count_is_refused_at_once(shipped, t
         other.write_bytes(raw)
         with pytest.raises(GGUFError, match=words):
             read_table(other)
+
+
+def test_nested_arrays_are_refused_as_llama_cpp_refuses_them(tmp_path):
+    """An array of arrays 5000 deep (60 KB) overflowed the stack of a recursive walk: refused at the first."""
+    nested = b"".join(struct.pack("<IQ", 9, 1) for _ in range(5000))  # item type ARRAY, one item, again and again
+    path = tmp_path / "nested.gguf"
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 1) + b"k" + struct.pack("<I", 9)
+                     + nested + bytes(16))
+    with pytest.raises(GGUFError, match="an array of value type 9"):
+        read_table(path)
