@@ -11,6 +11,7 @@ a CancelledError traceback for the documented normal path.
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 import time
@@ -45,8 +46,10 @@ class DrainingServer(uvicorn.Server):
         as it is. The signal is not re-raised after the shutdown (uvicorn's own handler does, which would
         end the process by it instead of status 0)."""
         if self.should_exit or (self.deadline is not None and self.cut):
-            self.force_exit = self.should_exit = True
-            return
+            # "at once": uvicorn's own force_exit is not looked at once its shutdown waits on the engine's
+            # close (a thread join of up to minutes, in the lifespan shutdown)
+            self.log(f"signal {sig} a third time: exiting now, as things are")
+            os._exit(1)
         if self.deadline is not None:
             self.log(f"signal {sig} again: cancelling the running requests now")
             self.deadline = time.monotonic()

@@ -9,7 +9,7 @@ while the engine loads; a line `[serve] ready: ...` says when it serves. SIGTERM
 (`server.openai.drain`): the port stays open, `/health` and new requests get 503 `draining`, the
 running ones finish within --drain-seconds, after which they are cancelled (each still ends properly:
 finish_reason "abort", then `[DONE]`); then the engine closes and the process exits 0. A second
-signal cancels the running requests at once (they still end properly), a third exits as things are.
+signal cancels the running requests at once (they still end properly), a third exits as things are (1).
 An engine that fails to load ends the process with status 1.
 `--backend openai --url A,B` serves other OpenAI-compatible servers through this one (a fan-out
 over replicas, with the openai backend's routing and fail-over).
