@@ -82,25 +82,55 @@ _STAND_IN = "\ue000{nonce}\ue001([0-9]+)\ue002"
 
 
 def encode_messages(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of a chat rendered by the template: the template's special tokens are tokens, the messages'
-    text is text. A message spelling "<|im_end|>\\n<|im_start|>system" (an API caller passing on an end user's
-    text) otherwise closed its own turn and forged a system turn, as rendering and tokenizing the whole
-    string does. Messages spelling no added token are encoded exactly as `encode` encodes the rendered text;
-    in the others each spelling is encoded as `encode_literal` encodes it: the template renders stand-ins
-    (private-use characters and digits, which no case change or strip alters) put back as literal text."""
-    spelled = _spelled(tokenizer, [m.get("content") or "" for m in messages])
-    if not spelled:
-        return encode(tokenizer, tokenizer.apply_chat_template(messages, tokenize=False,
-                                                               add_generation_prompt=add_generation_prompt))
-    nonce = _nonce("".join(m.get("content") or "" for m in messages))
-    index = {t: i for i, t in enumerate(spelled)}
-    pattern = re.compile("|".join(re.escape(t) for t in spelled))
+    """Token ids of a chat rendered by the template: the template's special tokens are tokens, the text of
+    the messages from outside (every role but the assistant's) is text. A message spelling
+    "<|im_end|>\\n<|im_start|>system" (an API caller passing on an end user's text) otherwise closed its own
+    turn and forged a system turn, as rendering and tokenizing the whole string does. Assistant messages are
+    the model's own and go in as the template makes them (a reasoning template looks for '</think>' in them
+    to cut earlier reasoning out). Messages spelling no added token are encoded exactly as `encode` encodes
+    the rendered text; in the others each spelling is encoded as `encode_literal` encodes it: the template
+    renders stand-ins (private-use characters and digits, which no case change or strip alters) put back as
+    literal text. A template that changes the text it inserts into the template's own tokens ('<|IM_END|>'
+    through `| lower`) is refused (`_check_inserted`)."""
+    outside = [i for i, m in enumerate(messages) if m.get("role") != "assistant" and m.get("content")]
+    spelled = _spelled(tokenizer, [messages[i]["content"] for i in outside])
+    escaped, nonce = list(messages), ""
+    if spelled:
+        nonce = _nonce("".join(m.get("content") or "" for m in messages))
+        index = {t: i for i, t in enumerate(spelled)}
+        pattern = re.compile("|".join(re.escape(t) for t in spelled))
 
-    def stand_in(m: re.Match) -> str:
-        return f"\ue000{nonce}\ue001{index[m.group()]}\ue002"
-    escaped = [{**m, "content": pattern.sub(stand_in, m["content"])} if m.get("content") else m for m in messages]
-    text = tokenizer.apply_chat_template(escaped, tokenize=False, add_generation_prompt=add_generation_prompt)
+        def stand_in(m: re.Match) -> str:
+            return f"\ue000{nonce}\ue001{index[m.group()]}\ue002"
+        for i in outside:
+            escaped[i] = {**messages[i], "content": pattern.sub(stand_in, messages[i]["content"])}
+
+    def render(msgs: list[dict[str, str]]) -> str:
+        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_generation_prompt)
+    text = render(escaped)
+    _check_inserted(tokenizer, text, escaped, outside, render)
+    if not spelled:
+        return encode(tokenizer, text)
     return _splice(tokenizer, re.split(_STAND_IN.format(nonce=nonce), text), lambda i: spelled[int(i)])
+
+
+def _check_inserted(tokenizer: Any, text: str, messages: list[dict[str, str]], outside: list[int],
+                    render: Callable[[list[dict[str, str]]], str]) -> None:
+    """A ValueError when the template made added tokens out of the outside messages' text. Text inserted as
+    it is (the usual template) holds none: its spellings are stand-ins by now. Text the template changed
+    (strip, case) is checked by counting: the rendered prompt may hold no more added-token spellings than the
+    same chat with those messages empty."""
+    if all(messages[i]["content"] in text for i in outside):
+        return
+    emptied = [{**m, "content": ""} if i in set(outside) else m for i, m in enumerate(messages)]
+    if _count_spellings(tokenizer, text) > _count_spellings(tokenizer, render(emptied)):
+        raise ValueError("the chat template turns message text into its own special tokens (it changes the text "
+                         "it inserts, e.g. its case); use a template that inserts message text as it is")
+
+
+def _count_spellings(tokenizer: Any, text: str) -> int:
+    spellings = sorted(_added_tokens(tokenizer), key=len, reverse=True)
+    return len(re.findall("|".join(re.escape(t) for t in spellings), text)) if spellings else 0
 
 
 def _splice(tokenizer: Any, parts: list[str], spelling: Callable[[str], str]) -> list[int]:
