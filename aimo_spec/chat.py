@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Collection, Optional
 
 from aimo_spec.recipe import CodeTags
 
@@ -81,9 +81,11 @@ def encode_literal(tokenizer: Any, text: str) -> list[int]:
 _STAND_IN = "\ue000{nonce}\ue001([0-9]+)\ue002"
 
 
-def encode_messages(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+def encode_messages(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                    literal_roles: Collection[str] = ("system", "user", "tool")) -> list[int]:
     """Token ids of a chat rendered by the template: the template's special tokens are tokens, the text of
-    the messages from outside (every role but the assistant's) is text. A message spelling
+    the messages from outside (`literal_roles`: an API caller's, all but the assistant's; the solver's, the
+    problem's only, the recipe's system prompt being the operator's own) is text. A message spelling
     "<|im_end|>\\n<|im_start|>system" (an API caller passing on an end user's text) otherwise closed its own
     turn and forged a system turn, as rendering and tokenizing the whole string does. Assistant messages are
     the model's own and go in as the template makes them (a reasoning template looks for '</think>' in them
@@ -92,7 +94,7 @@ def encode_messages(tokenizer: Any, messages: list[dict[str, str]], add_generati
     renders stand-ins (private-use characters and digits, which no case change or strip alters) put back as
     literal text. A template that changes the text it inserts into the template's own tokens ('<|IM_END|>'
     through `| lower`) is refused (`_check_inserted`)."""
-    outside = [i for i, m in enumerate(messages) if m.get("role") != "assistant" and m.get("content")]
+    outside = [i for i, m in enumerate(messages) if m.get("role") in literal_roles and m.get("content")]
     spelled = _spelled(tokenizer, [messages[i]["content"] for i in outside])
     escaped, nonce = list(messages), ""
     if spelled:

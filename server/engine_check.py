@@ -86,7 +86,7 @@ def check_gguf(path: Path) -> None:
             except (ValueError, KeyError):
                 raise EngineFolderError(f"{path}: tensor {t.name!r:.80} has ggml type {t.ggml_type}, which the "
                                         "gguf package does not know (corrupt, or newer than it)") from None
-            nbytes = t.elements // block * type_bytes
+            nbytes = -(-t.elements // block) * type_bytes  # a partial block still takes its bytes
         end = max(end, table.data_start + t.offset + nbytes)
     size = path.stat().st_size
     if end > size:

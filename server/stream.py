@@ -164,7 +164,7 @@ class EngineBase:
     def chat_ids(self, problem: str, system_prompt: Optional[str] = None) -> list[int]:
         """A problem spelling '<|im_end|>\\n<|im_start|>assistant' would otherwise close the user's turn and forge
         the assistant's: it comes from outside, like a tool's output (`encode_messages`)."""
-        return encode_messages(self.tokenizer, chat_messages(problem, system_prompt))
+        return encode_messages(self.tokenizer, chat_messages(problem, system_prompt), literal_roles=("user",))
 
     async def generate(self, request: Request) -> AsyncIterator[Event]:
         if self._closed:

@@ -39,20 +39,23 @@ class DrainingServer(uvicorn.Server):
         self.state, self.drain_seconds, self.log = state, drain_seconds, log
         self.deadline: Optional[float] = None
         self.cut = False
+        self.signals = 0  # counted, not read off the drain's state (a quick third was taken for a second)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         """Drain on the first signal; on the second, cut the drain short (the running requests are
         cancelled now, so they still end properly and the engine still closes); a third exits at once,
         as it is. The signal is not re-raised after the shutdown (uvicorn's own handler does, which would
         end the process by it instead of status 0)."""
-        if self.should_exit or (self.deadline is not None and self.cut):
+        self.signals += 1
+        if self.signals >= 3:
             # "at once": uvicorn's own force_exit is not looked at once its shutdown waits on the engine's
             # close (a thread join of up to minutes, in the lifespan shutdown)
             self.log(f"signal {sig} a third time: exiting now, as things are")
             os._exit(1)
-        if self.deadline is not None:
+        if self.signals == 2:
             self.log(f"signal {sig} again: cancelling the running requests now")
-            self.deadline = time.monotonic()
+            now = time.monotonic()
+            self.deadline = now if self.deadline is None else min(self.deadline, now)
             return
         self.log(f"signal {sig}: draining (running requests get {self.drain_seconds:g}s), then exit")
         self.drain()

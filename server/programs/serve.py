@@ -115,48 +115,49 @@ def main(argv: Optional[list[str]] = None) -> int:
         else:
             print(f"serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 2
-    try:
-        load, name = engine_loader(args)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"serve: {e}", file=sys.stderr)
-        return 2
+    with sock:  # closed on every way out, an engine folder that cannot be served included
+        try:
+            load, name = engine_loader(args)
+        except (ValueError, FileNotFoundError) as e:
+            print(f"serve: {e}", file=sys.stderr)
+            return 2
 
-    failed: list[BaseException] = []
-    server: Any = None
+        failed: list[BaseException] = []
+        server: Any = None
 
-    def on_failure(e: BaseException) -> None:
-        failed.append(e)
-        _log(f"the engine failed to load: {type(e).__name__}: {e}")
-        if server is not None:
-            server.should_exit = True
+        def on_failure(e: BaseException) -> None:
+            failed.append(e)
+            _log(f"the engine failed to load: {type(e).__name__}: {e}")
+            if server is not None:
+                server.should_exit = True
 
-    from server.openai.app import MAX_REQUEST_BYTES
+        from server.openai.app import MAX_REQUEST_BYTES
 
-    app = create_app(load, name, on_failure, max_request_bytes=args.max_request_bytes or MAX_REQUEST_BYTES)
-    state = app.state.serving
+        app = create_app(load, name, on_failure, max_request_bytes=args.max_request_bytes or MAX_REQUEST_BYTES)
+        state = app.state.serving
 
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=args.access_log,
-                            timeout_graceful_shutdown=int(CUT_GRACE_SECONDS), lifespan="on")
-    server = DrainingServer(config, state, args.drain_seconds)
-    t0 = time.monotonic()
-    _log(f"listening on http://{args.host}:{args.port}/v1 (model {name!r}); loading the engine")
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=args.access_log,
+                                timeout_graceful_shutdown=int(CUT_GRACE_SECONDS), lifespan="on")
+        server = DrainingServer(config, state, args.drain_seconds)
+        t0 = time.monotonic()
+        _log(f"listening on http://{args.host}:{args.port}/v1 (model {name!r}); loading the engine")
 
-    import threading
+        import threading
 
-    def announce() -> None:
-        while state.api is None and not state.error and not state.draining:
-            time.sleep(0.1)
-        if state.api is not None:
-            api = state.api
-            _log(f"ready: model {name!r} on http://{args.host}:{args.port}/v1, backend "
-                 f"{getattr(api.engine, 'name', '?')}, loaded in {time.monotonic() - t0:.1f}s"
-                 + (f", max_input_len {api.max_input_len}" if api.max_input_len else ""))
-    threading.Thread(target=announce, daemon=True).start()
-    server.run(sockets=[sock])
-    if failed:
-        return 1
-    _log("stopped")
-    return 0
+        def announce() -> None:
+            while state.api is None and not state.error and not state.draining:
+                time.sleep(0.1)
+            if state.api is not None:
+                api = state.api
+                _log(f"ready: model {name!r} on http://{args.host}:{args.port}/v1, backend "
+                     f"{getattr(api.engine, 'name', '?')}, loaded in {time.monotonic() - t0:.1f}s"
+                     + (f", max_input_len {api.max_input_len}" if api.max_input_len else ""))
+        threading.Thread(target=announce, daemon=True).start()
+        server.run(sockets=[sock])
+        if failed:
+            return 1
+        _log("stopped")
+        return 0
 
 
 if __name__ == "__main__":
