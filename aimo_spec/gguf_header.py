@@ -50,6 +50,7 @@ class TensorTable:
     tensors: tuple[TensorInfo, ...]
     data_start: int  # where the data section begins in the file
     version: int
+    alignment: int  # of the data section and of each tensor's offset in it
 
 
 class _Reader:
@@ -118,26 +119,39 @@ def read_table(path: Path) -> TensorTable:
             raise r.fail(f"version {version}; this reader knows 2 and 3")
         n_tensors = r.count("the tensor count", size)
         n_kv = r.count("the key-value count", size)
-        alignment = DEFAULT_ALIGNMENT
+        # what llama.cpp refuses is refused here too (a copy cut short and padded with zeros reads as
+        # empty keys and names): one alignment of type u32, a power of two; keys and tensor names unique and
+        # not empty; each tensor's offset a multiple of the alignment
+        alignment, keys = DEFAULT_ALIGNMENT, set()
         for _ in range(n_kv):
             key = r.string()
+            if not key or key in keys:
+                raise r.fail(f"key {key[:80]!r} is empty or given twice")
+            keys.add(key)
             kind = int(r.unpack("I"))
-            if key == b"general.alignment" and kind == 4:
+            if key == b"general.alignment":
+                if kind != 4:
+                    raise r.fail(f"general.alignment of value type {kind} (llama.cpp takes u32 only)")
                 alignment = int(r.unpack("I"))
                 if alignment == 0 or alignment & (alignment - 1):
                     raise r.fail(f"general.alignment {alignment} is not a power of two")
             else:
                 r.skip_value(kind)
-        tensors = []
+        tensors, names = [], set()
         for _ in range(n_tensors):
             name = r.string().decode("utf-8", "replace")
+            if not name or name in names:
+                raise r.fail(f"tensor name {name[:80]!r} is empty or given twice")
+            names.add(name)
             dims = int(r.unpack("I"))
             if dims > MAX_DIMS:
                 raise r.fail(f"tensor {name!r:.80} has {dims} dimensions")
             shape = tuple(int(r.unpack("Q")) for _ in range(dims))
             tensors.append(TensorInfo(name, shape, int(r.unpack("I")), int(r.unpack("Q"))))
+            if tensors[-1].offset % alignment:
+                raise r.fail(f"tensor {name!r:.80}'s offset {tensors[-1].offset} is not a multiple of {alignment}")
         start = -(-f.tell() // alignment) * alignment
-    return TensorTable(tuple(tensors), start, version)
+    return TensorTable(tuple(tensors), start, version, alignment)
 
 
 def parameters(path: Path) -> int:

@@ -77,7 +77,7 @@ def check_gguf(path: Path) -> None:
         from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
     except ImportError:
         GGML_QUANT_SIZES = None
-    end = table.data_start
+    end, running = table.data_start, 0
     for t in table.tensors:
         nbytes = 0
         if GGML_QUANT_SIZES is not None:
@@ -87,6 +87,10 @@ def check_gguf(path: Path) -> None:
                 raise EngineFolderError(f"{path}: tensor {t.name!r:.80} has ggml type {t.ggml_type}, which the "
                                         "gguf package does not know (corrupt, or newer than it)") from None
             nbytes = -(-t.elements // block) * type_bytes  # a partial block still takes its bytes
+            if t.offset != running:  # llama.cpp lays tensors out back to back, each padded to the alignment
+                raise EngineFolderError(f"{path}: tensor {t.name!r:.80} starts at {t.offset} of the data, not at "
+                                        f"{running} where the tensors before it end (corrupt table)")
+            running += -(-nbytes // table.alignment) * table.alignment
         end = max(end, table.data_start + t.offset + nbytes)
     size = path.stat().st_size
     if end > size:

@@ -87,3 +87,44 @@ def test_nested_arrays_are_refused_as_llama_cpp_refuses_them(tmp_path):
                      + nested + bytes(16))
     with pytest.raises(GGUFError, match="an array of value type 9"):
         read_table(path)
+
+
+def test_what_llama_cpp_refuses_is_refused(shipped, tmp_path):
+    """A copy cut short and padded with zeros (a preallocating downloader) read as empty keys and tensors
+    named '' at offset 0, and passed; a u64 alignment was taken for 32."""
+    table = read_table(shipped)
+    head = shipped.read_bytes()[:table.data_start]
+    padded = tmp_path / "padded.gguf"
+    padded.write_bytes(head[:200_000] + bytes(len(head) - 200_000 + 4096))
+    with pytest.raises(GGUFError, match="empty or given twice|more than the file can hold|unknown value type"):
+        read_table(padded)
+
+    def kv_file(name: str, *kvs: bytes) -> Path:
+        path = tmp_path / name
+        path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, len(kvs)) + b"".join(kvs) + bytes(64))
+        return path
+
+    def key(k: bytes) -> bytes:
+        return struct.pack("<Q", len(k)) + k
+    u64 = kv_file("u64.gguf", key(b"general.alignment") + struct.pack("<IQ", 10, 64))
+    with pytest.raises(GGUFError, match="general.alignment of value type 10"):
+        read_table(u64)
+    twice = kv_file("twice.gguf", key(b"a") + struct.pack("<IB", 0, 1), key(b"a") + struct.pack("<IB", 0, 2))
+    with pytest.raises(GGUFError, match="given twice"):
+        read_table(twice)
+
+
+def test_the_engine_check_refuses_tensors_not_laid_out_back_to_back(tmp_path):
+    from server.engine_check import EngineFolderError, check_gguf
+
+    path = tmp_path / "w.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tensor("a", np.ones((8,), dtype=np.float32)), w.add_tensor("b", np.ones((8,), dtype=np.float32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    check_gguf(path)
+    raw = bytearray(path.read_bytes())
+    b_offset = raw.rindex(struct.pack("<Q", 32))  # tensor b's offset (a's 32 bytes, padded to 32)
+    raw[b_offset:b_offset + 8] = struct.pack("<Q", 64)
+    path.write_bytes(bytes(raw) + bytes(64))
+    with pytest.raises(EngineFolderError, match="starts at 64 of the data, not at 32"):
+        check_gguf(path)
