@@ -124,7 +124,8 @@ def _check_inserted(tokenizer: Any, text: str, messages: list[dict[str, str]], o
     same chat with those messages empty."""
     if all(messages[i]["content"] in text for i in outside):
         return
-    emptied = [{**m, "content": ""} if i in set(outside) else m for i, m in enumerate(messages)]
+    chosen = set(outside)
+    emptied = [{**m, "content": ""} if i in chosen else m for i, m in enumerate(messages)]
     if _count_spellings(tokenizer, text) > _count_spellings(tokenizer, render(emptied)):
         raise ValueError("the chat template turns message text into its own special tokens (it changes the text "
                          "it inserts, e.g. its case); use a template that inserts message text as it is")
