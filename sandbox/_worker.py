@@ -643,9 +643,10 @@ def _session_child(req_fd, status_fd, glob):
                 msg = json.loads(_read_exact(req_fd, struct.unpack("!I", head)[0]))
                 reply = queue.SimpleQueue()
                 cells.put((msg["code"], float(msg["timeout"]), reply))
-                status, seconds = reply.get()
+                status, seconds, threads = reply.get()
                 del reply  # the next cell's queue is made when it comes
-                _write_frame(status_fd, {"nonce": msg["nonce"], "status": status, "seconds": seconds})
+                _write_frame(status_fd, {"nonce": msg["nonce"], "status": status, "seconds": seconds,
+                                         "threads": threads})
         finally:
             os._exit(120)  # the channel broke: this interpreter ends, the worker sees it die
 
@@ -680,7 +681,10 @@ def _session_child(req_fd, status_fd, glob):
         # the worker stops this process between cells and continues it for the next: a SIGCONT handler the
         # cell left would run then, outside any cell (raising there ended the interpreter, and every restore)
         signal.signal(signal.SIGCONT, signal.SIG_DFL)
-        reply.put((status, elapsed))
+        # threads the cells left running, as the interpreter counts them (a joined thread is gone from the
+        # count when its join returns; /proc still listed it while it exited): a cell that lies here misleads
+        # only its own sample's note
+        reply.put((status, elapsed, max(0, threading.active_count() - 2)))
         del reply
 
 
@@ -843,14 +847,6 @@ class SessionChild:
     def resume(self):
         self._signal(signal.SIGCONT)
 
-    def threads_left(self):
-        """Threads of the child beside its own two (the cells' main thread and the channel): those cells
-        started and left running. Counted from /proc, where a cell cannot alter the count."""
-        try:
-            return max(0, len(os.listdir(f"/proc/{self.pid}/task")) - 2)
-        except OSError:
-            return 0
-
     def _signal(self, sig):
         if self.alive:
             try:
@@ -891,10 +887,10 @@ def _parse_status(raw, nonce):
         msg = json.loads(raw[4:])
     except ValueError:
         return None
-    if not isinstance(msg, dict) or set(msg) != {"nonce", "status", "seconds"} or msg["nonce"] != nonce:
+    if not isinstance(msg, dict) or set(msg) != {"nonce", "status", "seconds", "threads"} or msg["nonce"] != nonce:
         return None
-    st, secs = msg["status"], msg["seconds"]
-    if not isinstance(secs, (int, float)) or not isinstance(st, dict):
+    st, secs, threads = msg["status"], msg["seconds"], msg["threads"]
+    if not isinstance(secs, (int, float)) or not isinstance(st, dict) or type(threads) is not int or threads < 0:
         return None
     if st == {"kind": "timeout"}:
         return msg
@@ -985,7 +981,7 @@ def _run_session_cell(child, req, cfg):
     for fd in (child.out_r, child.err_r):
         _drain(fd, caps[fd])
     return {"status": msg["status"], "stdout": caps[child.out_r].render(), "stderr": caps[child.err_r].render(),
-            "seconds": float(msg["seconds"]), "crashed": None, "clean": clean, "threads": child.threads_left()}
+            "seconds": float(msg["seconds"]), "crashed": None, "clean": clean, "threads": msg["threads"]}
 
 
 def _read_some(fd):

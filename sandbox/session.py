@@ -54,7 +54,7 @@ class Session:
         self._wlock = threading.Lock()  # guards _worker and _closed against the restore thread
         self._restore: threading.Thread | None = None
         self._restore_note = ""
-        self._threads = 0  # threads the cells so far left running (the worker counts them after each cell)
+        self._threads = 0  # threads the cells so far left running (the interpreter counts them after each cell)
         self._closed = False
         self.restarts = 0
 
