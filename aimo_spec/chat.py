@@ -75,7 +75,7 @@ def encode_literal(tokenizer: Any, text: str) -> list[int]:
     spelled = _spelled(tokenizer, [text])
     if not spelled:
         return encode(tokenizer, text)
-    return _splice(tokenizer, re.split(f"({'|'.join(re.escape(t) for t in spelled)})", text), lambda s: s)
+    return _splice(tokenizer, re.split(f"({_alternation(spelled)})", text), lambda s: s)
 
 
 _STAND_IN = "\ue000{nonce}\ue001([0-9]+)\ue002"
@@ -100,7 +100,7 @@ def encode_messages(tokenizer: Any, messages: list[dict[str, str]], add_generati
     if spelled:
         nonce = _nonce("".join(m.get("content") or "" for m in messages))
         index = {t: i for i, t in enumerate(spelled)}
-        pattern = re.compile("|".join(re.escape(t) for t in spelled))
+        pattern = re.compile(_alternation(spelled))
 
         def stand_in(m: re.Match) -> str:
             return f"\ue000{nonce}\ue001{index[m.group()]}\ue002"
@@ -133,7 +133,12 @@ def _check_inserted(tokenizer: Any, text: str, messages: list[dict[str, str]], o
 
 def _count_spellings(tokenizer: Any, text: str) -> int:
     spellings = sorted(_added_tokens(tokenizer), key=len, reverse=True)
-    return len(re.findall("|".join(re.escape(t) for t in spellings), text)) if spellings else 0
+    return len(re.findall(_alternation(spellings), text)) if spellings else 0
+
+
+def _alternation(spellings: list[str]) -> str:
+    """A regex matching any of `spellings` as written (longest first where they are sorted so)."""
+    return "|".join(re.escape(t) for t in spellings)
 
 
 def _splice(tokenizer: Any, parts: list[str], spelling: Callable[[str], str]) -> list[int]:

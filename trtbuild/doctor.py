@@ -52,9 +52,9 @@ def report(recipe: Optional[Recipe] = None, env: Optional[TrtllmEnv] = None) -> 
         if merged.is_file():
             problems = preflight.check(recipe, env if env.gpus else None, preflight.read_json(merged),
                                        preflight.load_drafter_config(recipe))
-            lines.append("the recipe against TensorRT-LLM's limits (preflight): " + ("ok" if not problems else "")
-                         + "".join(f"\n  - {p}" for p in problems)
-                         + ("" if env.usable else " (the recipe fits; TensorRT-LLM itself is not runnable here)"))
+            verdict = ("".join(f"\n  - {p}" for p in problems) if problems else
+                       "ok" + ("" if env.usable else " (the recipe fits; TensorRT-LLM itself is not runnable here)"))
+            lines.append("the recipe against TensorRT-LLM's limits (preflight): " + verdict)
         else:
             lines.append("the recipe against TensorRT-LLM's limits (preflight): waits for the merged model "
                          "(`make merge`)")

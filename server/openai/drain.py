@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 import time
 from typing import Any, Callable, Optional
 
@@ -24,17 +23,13 @@ import uvicorn
 CUT_GRACE_SECONDS = 10.0
 
 
-def _log(msg: str) -> None:
-    print(f"[serve] {msg}", file=sys.stderr, flush=True)
-
-
 class DrainingServer(uvicorn.Server):
     """uvicorn's server with this project's drain (see the module doc). `state` is the app's State
     (`app.state.serving`); `drain()` is what the first SIGTERM or Ctrl-C does; a second one cuts it
     short, a third exits at once."""
 
     def __init__(self, config: uvicorn.Config, state: Any, drain_seconds: float,
-                 log: Callable[[str], None] = _log):
+                 log: Callable[[str], None]):
         super().__init__(config)
         self.state, self.drain_seconds, self.log = state, drain_seconds, log
         self.deadline: Optional[float] = None

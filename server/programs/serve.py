@@ -138,7 +138,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=args.access_log,
                                 timeout_graceful_shutdown=int(CUT_GRACE_SECONDS), lifespan="on")
-        server = DrainingServer(config, state, args.drain_seconds)
+        server = DrainingServer(config, state, args.drain_seconds, log=_log)
         t0 = time.monotonic()
         _log(f"listening on http://{args.host}:{args.port}/v1 (model {name!r}); loading the engine")
 
