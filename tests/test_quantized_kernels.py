@@ -210,3 +210,34 @@ def test_dense_linear_is_f_linear_off_cuda_and_past_its_bounds(monkeypatch):
         monkeypatch.setattr(gpu_kernels, "DENSE_TRITON_MAX_ELEMENTS", wc.numel())
         got = gpu_kernels.dense_linear(xc, wc)
         assert float((got.float() - F.linear(xc, wc).float()).abs().max()) < 0.05
+
+
+@pytest.mark.parametrize("m,split,bias", [(1, 1, False), (3, 4, True), (16, 2, False)])
+def test_the_silu_gated_gemm_is_silu_mul_then_the_gemm_bit_for_bit(m, split, bias):
+    """`silu_gated` makes silu(gate) * up as the kernel loads it: the values `fused_ops.silu_mul` writes,
+    so with the same tile and split the result is the two-launch form's exactly (and F.linear's within
+    the accumulation's rounding). K 300 leaves a partial last block in both halves."""
+    from server.embedded.fused_ops import reference_silu_mul, silu_mul
+    from server.embedded.gpu_kernels import _unit, weight_only_linear
+
+    g = torch.Generator().manual_seed(7 * m + split)
+    n, k = 72, 300
+    gate_up = (torch.randn(m, 2 * k, generator=g) * 2).to(DTYPE).to(DEVICE)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(DTYPE).to(DEVICE)
+    b = (torch.randn(n, generator=g) * 0.1).to(DTYPE).to(DEVICE) if bias else None
+    config = (16, 64, 4, 2)
+    got = weight_only_linear(gate_up, w, _unit(gate_up.device), b, config=config, split=split, silu_gated=True)
+    two_launches = weight_only_linear(silu_mul(gate_up), w, _unit(gate_up.device), b, config=config, split=split)
+    assert got.shape == (m, n) and torch.equal(got, two_launches)
+    ref = torch.nn.functional.linear(reference_silu_mul(gate_up.float()), w.float(), None if b is None else b.float())
+    assert float((got.float() - ref).abs().max() / ref.abs().max()) < 1e-2
+
+
+def test_the_silu_gated_gemm_refuses_what_it_cannot_split():
+    from server.embedded.gpu_kernels import _unit, silu_dense_applies, weight_only_linear
+
+    w = torch.zeros(8, 16, dtype=DTYPE, device=DEVICE)
+    with pytest.raises(ValueError, match="silu_gated"):
+        weight_only_linear(torch.zeros(2, 33, dtype=DTYPE, device=DEVICE), w, _unit(w.device), silu_gated=True)
+    # off CUDA (or past SILU_DOWN_MAX_ROWS, 0 by default) the graph runner keeps silu_mul + its GEMM
+    assert not silu_dense_applies(torch.zeros(1, 32, dtype=DTYPE), w.cpu())

@@ -60,6 +60,16 @@ DENSE_TRITON_MAX_ELEMENTS = int(os.environ.get("DENSE_TRITON_MAX_ELEMENTS", str(
 DENSE_TRITON_CONFIG = "DENSE_TRITON_CONFIG"
 # programs sharing each K loop: 1 keeps a small linear to one launch (a split adds the reduction's)
 DENSE_TRITON_SPLIT = int(os.environ.get("DENSE_TRITON_SPLIT", "1"))
+# The MLP's down projection at most this many rows with the SiLU-and-product made in the GEMM's loads
+# (`silu_dense_linear`: bf16/fp16 weights; the activation's kernel and its launch gone), in the
+# SILU_DOWN_CONFIG tile with SILU_DOWN_SPLIT programs a K loop; the defaults are the down projection's best
+# in bench/kernels-dense-tune-h100.json (1.5B, 64,256,4,3 split 4: 14.2 us against cuBLAS's 14.9). 0: off.
+SILU_DOWN_MAX_ROWS = int(os.environ.get("SILU_DOWN_MAX_ROWS", "0"))
+# ... and weights of at most this many elements (1.5B's down is 13.8M; 7B's and 14B's, 68-71M, are read at
+# ~0.87 of the copy bandwidth by cuBLAS, which this tile was not tuned against)
+SILU_DOWN_MAX_ELEMENTS = int(os.environ.get("SILU_DOWN_MAX_ELEMENTS", str(16 << 20)))
+SILU_DOWN_CONFIG = "SILU_DOWN_CONFIG"
+SILU_DOWN_SPLIT = int(os.environ.get("SILU_DOWN_SPLIT", "4"))
 
 
 @functools.lru_cache(maxsize=None)
@@ -89,15 +99,21 @@ def _kernels():
     @triton.jit
     def w8_gemm(x_ptr, w_ptr, s_ptr, xs_ptr, b_ptr, out_ptr, part_ptr, M, N, stride_xm, stride_wn, K: tl.constexpr,
                 STEPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                SPLIT: tl.constexpr, PER_CHANNEL: tl.constexpr, X_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
+                SPLIT: tl.constexpr, PER_CHANNEL: tl.constexpr, X_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                SILU_GATED: tl.constexpr = False):
         pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for i in range(0, STEPS):  # a fixed trip count (K is per layer): this split's K blocks
             rk = (i * SPLIT + pid_k) * BLOCK_K + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K),
-                        other=0.0)
+            live_x = (rm[:, None] < M) & (rk[None, :] < K)
+            x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=live_x, other=0.0)
+            if SILU_GATED:  # x_ptr holds [gate | up] of 2K features: silu(gate) * up, rounded as fused_ops.silu_mul
+                dt = x.dtype
+                g = x.to(tl.float32)
+                u = tl.load(x_ptr + rm[:, None] * stride_xm + K + rk[None, :], mask=live_x, other=0.0).to(tl.float32)
+                x = ((g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * u).to(dt)
             w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K),
                         other=0.0)
             # FP8 x FP8: full fp32 accumulation (Hopper's FP8 MMA otherwise sums in reduced precision
@@ -211,18 +227,26 @@ def config_for(device: int, rows: int = 1) -> tuple[int, ...]:
 def weight_only_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                        bias: Optional[torch.Tensor] = None, config: Optional[tuple[int, int, int, int]] = None,
                        split: Optional[int] = None, sms: Optional[int] = None,
-                       out_dtype: Optional[torch.dtype] = None, x_scale: Optional[torch.Tensor] = None
-                       ) -> torch.Tensor:
+                       out_dtype: Optional[torch.dtype] = None, x_scale: Optional[torch.Tensor] = None,
+                       silu_gated: bool = False) -> torch.Tensor:
     """x [..., K] (bf16/fp16) @ 8-bit weight [N, K] (int8, or FP8 e4m3) * scale (+ bias) -> [..., N] in
     x's dtype. `scale`: per output channel [N], or one value (FP8's per-tensor scale). The weight is
     widened in registers (both 8-bit formats are exact in bf16), fp32 accumulation; the activation
     stays as it is. `split` programs share each K loop (default: enough to fill `sms` multiprocessors
     twice); their partials are added in a fixed order (deterministic, unlike atomics).
     An e4m3 `x` with an e4m3 weight is an FP8 GEMM on the tensor cores (W8A8, `fp8_gemm`'s small-batch
-    form), its per-tensor scale `x_scale` applied with `scale`, the result in `out_dtype`."""
+    form), its per-tensor scale `x_scale` applied with `scale`, the result in `out_dtype`.
+    `silu_gated`: x is [..., 2K], gate and up side by side, and the product's input is silu(gate) * up, made
+    as the kernel loads it (the values of `fused_ops.silu_mul`): the MLP's down projection without the
+    activation's own launch."""
     shape = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     m, k = x2.shape
+    if silu_gated:
+        if k % 2 or x2.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"weight_only_linear: silu_gated takes a 16-bit [gate | up] input, not {x2.dtype} "
+                             f"of {k} features")
+        k //= 2
     n = weight.shape[0]
     if weight.shape[1] != k or weight.stride(1) != 1:
         raise ValueError(f"weight_only_linear: weight {tuple(weight.shape)} does not take inputs of {k} features")
@@ -245,7 +269,8 @@ def weight_only_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     gemm[(n_tiles, m_tiles, split)](x2, weight, scale, xs, b, out, part, m, n, x2.stride(0), weight.stride(0), K=k,
                                     STEPS=-(-k_blocks // split), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                                     SPLIT=split, PER_CHANNEL=per_channel, X_SCALE=x_scale is not None,
-                                    HAS_BIAS=bias is not None, num_warps=warps, num_stages=stages)
+                                    HAS_BIAS=bias is not None, SILU_GATED=silu_gated, num_warps=warps,
+                                    num_stages=stages)
     if split > 1:
         block = 1024
         reduce[(-(-(m * n) // block),)](part, scale, xs, b, out, m, n, SPLIT=split, BLOCK=block,
@@ -275,6 +300,33 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         return weight_only_linear(x, weight, _unit(x.device), bias, config=band_config(_dense_configs(), rows),
                                   split=DENSE_TRITON_SPLIT or None)
     return F.linear(x, weight, bias)
+
+
+def silu_dense_applies(gate_up: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `silu_dense_linear` runs the fused Triton kernel for this [gate | up] input and 16-bit weight
+    (CUDA, at most SILU_DOWN_MAX_ROWS rows and SILU_DOWN_MAX_ELEMENTS weights); where it does not, the
+    caller keeps silu_mul + its GEMM."""
+    rows = gate_up.numel() // max(1, gate_up.shape[-1])
+    return (gate_up.is_cuda and 0 < rows <= SILU_DOWN_MAX_ROWS and weight.numel() <= SILU_DOWN_MAX_ELEMENTS
+            and gate_up.dtype == weight.dtype
+            and gate_up.dtype in (torch.bfloat16, torch.float16) and weight.stride(1) == 1
+            and gate_up.shape[-1] == 2 * weight.shape[1] and available()["w8a16"])
+
+
+@functools.lru_cache(maxsize=None)
+def _silu_down_configs() -> dict[int, tuple[int, int, int, int]]:
+    return parse_configs(os.environ.get(SILU_DOWN_CONFIG, "64,256,4,3"), SILU_DOWN_CONFIG)
+
+
+def silu_dense_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None
+                      ) -> torch.Tensor:
+    """`F.linear(silu(gate) * up, weight, bias)` for gate_up [..., 2K] and a 16-bit weight [N, K]: the
+    activation made inside the GEMM's loads (SILU_DOWN_SPLIT programs a K loop and their reduction), one
+    launch fewer than `fused_ops.silu_mul` followed by the GEMM. Callers check `silu_dense_applies`."""
+    rows = gate_up.numel() // max(1, gate_up.shape[-1])
+    return weight_only_linear(gate_up, weight, _unit(gate_up.device), bias,
+                              config=band_config(_silu_down_configs(), rows), split=SILU_DOWN_SPLIT or None,
+                              silu_gated=True)
 
 
 def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor] = None,

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from server.embedded.base_runner import BaseRunner, Draft
 from server.embedded.decode_attention import interpreted, one_pass_counters, split_kv_attention, write_kv
 from server.embedded.fused_ops import add_rms_norm, rope_write_kv, silu_mul
-from server.embedded.gpu_kernels import dense_linear
+from server.embedded.gpu_kernels import dense_linear, silu_dense_applies, silu_dense_linear
 from server.embedded.qlinear import Fp8Linear, Int8WeightOnlyLinear, project, quantized_input
 from server.embedded.transfer import copy_into
 
@@ -104,6 +104,13 @@ class _Concatenated:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return dense_linear(x, self.weight, self.bias)
+
+    def after_silu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """self(silu(gate) * up): one Triton GEMM that makes the activation as it loads it where
+        `silu_dense_applies` (few rows on CUDA), else the fused SiLU kernel and then the GEMM."""
+        if silu_dense_applies(gate_up, self.weight):
+            return silu_dense_linear(gate_up, self.weight, self.bias)
+        return self(silu_mul(gate_up))
 
 
 def _fuse(mods: list[Any]) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -333,7 +340,9 @@ class GraphRunner(BaseRunner):
                 h = layer.post(h, o)
                 continue
             h, x = add_rms_norm(h, project(layer.o_proj, o), layer.norm2.weight, layer.norm_eps, q8(layer.gate_up_fp8))
-            delta = project(layer.down, silu_mul(project(layer.gate_up, x), q8(layer.down_fp8)))
+            gate_up = project(layer.gate_up, x)
+            delta = (layer.down.after_silu(gate_up) if isinstance(layer.down, _Concatenated)
+                     else project(layer.down, silu_mul(gate_up, q8(layer.down_fp8))))
             nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
             h, x = add_rms_norm(h, delta, self.inner.norm.weight if nxt is None else nxt.norm1.weight,
                                 self.final_norm_eps if nxt is None else nxt.norm_eps,
