@@ -75,6 +75,11 @@ def test_a_server_in_front_of_the_replicas_reports_their_context(replicas, tiny_
         assert eng.max_seq_len == 384 and api.models()["data"][0]["max_model_len"] == 384
         with pytest.raises(ApiError, match="Ask for at most"):
             run(api.parser.parse(b'{"prompt": [5, 6, 7], "max_tokens": 400}', chat=False))
+        # a replica probed later that reports less lowers the server's context from its next request on
+        eng.replicas[-1].max_model_len = 200
+        assert api.models()["data"][0]["max_model_len"] == 200
+        with pytest.raises(ApiError, match="maximum context length is 200 tokens"):
+            run(api.parser.parse(b'{"prompt": [5, 6, 7], "max_tokens": 300}', chat=False))
         api.close()
     finally:
         eng.shutdown()

@@ -244,7 +244,7 @@ def test_an_oversized_body_is_a_413_before_it_is_read_and_health_keeps_answering
         # under the byte limit but longer than any max_input_len prompt can be: refused before tokenizing
         text = "word " * ((limit - 1000) // 5)
         api = srv.api
-        assert len(text) > api.max_input_len * api.parser.max_chars_per_token
+        assert len(text) > api.parser.max_input_len * api.parser.max_chars_per_token
         r = post_raw(srv.base, COMPLETIONS, json.dumps({"prompt": text, "max_tokens": 2}).encode())
         assert_openai_error(r, 400, "prompt", "context_length_exceeded")
 
@@ -410,13 +410,13 @@ def test_length_guards_hold_before_templating_and_tokenizing(served, monkeypatch
     templated and tokenized: seconds of the one parse thread) are refused untemplated. Completions: a list of
     prompts stops at the first one over the limit, the rest never tokenized."""
     api = served.api
-    r = post_raw(served.base, CHAT, json.dumps({"messages": [{"role": "user"}] * (api.max_input_len + 1),
+    r = post_raw(served.base, CHAT, json.dumps({"messages": [{"role": "user"}] * (api.parser.max_input_len + 1),
                                                 "max_tokens": 1}).encode())
     assert_openai_error(r, 400, "messages", "context_length_exceeded")
     calls = []
     tokenize = api.parser.engine.tokenize
     monkeypatch.setattr(api.parser.engine, "tokenize", lambda text: calls.append(len(text)) or tokenize(text))
-    over = "word " * api.max_input_len  # over the token limit, under the character guard
+    over = "word " * api.parser.max_input_len  # over the token limit, under the character guard
     r = post_raw(served.base, COMPLETIONS, json.dumps({"prompt": [over] * 5, "max_tokens": 1}).encode())
     assert_openai_error(r, 400, "prompt", "context_length_exceeded")
     assert len(calls) == 1

@@ -24,8 +24,6 @@ class Api:
         self.engine, self.model_name = engine, model_name
         self.parser = RequestParser(engine, model_name)
         self.responses = ResponseShaper(engine.tokenizer)
-        self.max_input_len: Optional[int] = self.parser.max_input_len
-        self.max_seq_len: Optional[int] = self.parser.max_seq_len
         self.finished: dict[str, int] = {}
         self.running = 0
         self._open: set[str] = set()  # engine request ids whose Final has not come (cancel_running)
@@ -132,7 +130,7 @@ class Api:
             raise ApiError(404, f"The model {name[:200]!r} does not exist (this server serves {self.model_name!r})",
                            "model", code="model_not_found")
         return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "aimo-trt",
-                "max_model_len": self.max_seq_len}
+                "max_model_len": self.parser.max_seq_len}
 
     def metrics(self) -> str:
         """The counters as Prometheus text (`GET /metrics`)."""

@@ -37,10 +37,18 @@ class RequestParser:
         self.engine, self.model_name = engine, model_name
         self.tokenizer = engine.tokenizer
         self.vocab = len(self.tokenizer)
-        self.max_input_len: Optional[int] = getattr(engine, "max_input_len", None)
-        self.max_seq_len: Optional[int] = getattr(engine, "max_seq_len", None)
         self.max_chars_per_token = max_chars_per_token(self.tokenizer)  # a longer text is refused untokenized
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="openai-parse")
+
+    @property
+    def max_input_len(self) -> Optional[int]:
+        return getattr(self.engine, "max_input_len", None)
+
+    @property
+    def max_seq_len(self) -> Optional[int]:
+        """Read per request: a proxy's context is the smallest its replicas report, and a replica probed
+        later can lower it."""
+        return getattr(self.engine, "max_seq_len", None)
 
     async def parse(self, raw: bytes, chat: bool) -> "Job":
         """The validated Job of a request body, parsed and tokenized off the event loop."""
@@ -90,9 +98,10 @@ class RequestParser:
         for ids in prompts:
             self._check_tokens(ids, prompt_field)
         longest = max(len(p) for p in prompts)
-        room = (self.max_seq_len - longest) if self.max_seq_len else None
+        context = self.max_seq_len  # once a request (a proxy's can change as its replicas are probed)
+        room = (context - longest) if context else None
         if room is not None and room < 1:
-            raise ApiError(400, f"This model's maximum context length is {self.max_seq_len} tokens; the prompt has "
+            raise ApiError(400, f"This model's maximum context length is {context} tokens; the prompt has "
                                 f"{longest}, which leaves no room for a completion", prompt_field,
                            code="context_length_exceeded")
         newer = kind == "chat" and body.get("max_completion_tokens") is not None
@@ -101,7 +110,7 @@ class RequestParser:
         default = (room if room is not None else 4096) if kind == "chat" else min(16, room or 16)
         max_tokens = number_field({name: asked}, name, default, 1, integer=True)
         if asked is not None and room is not None and max_tokens > room:
-            raise ApiError(400, f"This model's maximum context length is {self.max_seq_len} tokens; the prompt has "
+            raise ApiError(400, f"This model's maximum context length is {context} tokens; the prompt has "
                                 f"{longest} and {name} asks for {max_tokens} more ({longest + max_tokens} in all). "
                                 f"Ask for at most {room}.", name, code="context_length_exceeded")
         stream = flag_field(body, "stream")

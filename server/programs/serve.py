@@ -151,7 +151,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 api = state.api
                 _log(f"ready: model {name!r} on http://{args.host}:{args.port}/v1, backend "
                      f"{getattr(api.engine, 'name', '?')}, loaded in {time.monotonic() - t0:.1f}s"
-                     + (f", max_input_len {api.max_input_len}" if api.max_input_len else ""))
+                     + (f", max_input_len {api.parser.max_input_len}" if api.parser.max_input_len else ""))
         threading.Thread(target=announce, daemon=True).start()
         server.run(sockets=[sock])
         if failed:
