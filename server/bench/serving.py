@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     from server.backends import open_for_recipe
     from server.embedded.engine import EmbeddedEngine
 
-    recipe = load_recipe(args.recipe)
+    recipe = load_recipe(args.recipe, check_paths=False)  # serving needs the built engine, not the sources
     engine: EmbeddedEngine = open_for_recipe(recipe, "embedded")
     levels = [int(c) for c in args.concurrency.split(",")]
     prompts = bench_prompts(engine.tokenizer, max(levels))

@@ -38,7 +38,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from server.engine_check import EngineFolderError
 
     try:
-        recipe = load_recipe(args.recipe)
+        recipe = load_recipe(args.recipe, check_paths=False)  # the built engine, not the sources
         kind = args.backend
         if kind == "auto":
             kind = "trtllm" if recipe.layout.has_engine("trtllm") else "embedded"

@@ -50,7 +50,7 @@ def engine_loader(args: argparse.Namespace) -> tuple[Callable[[], Any], str]:
         raise FileNotFoundError(f"{folder}: neither an engine folder (engine.json) nor an HF checkpoint (config.json)")
     from aimo_spec.recipe import load_recipe
 
-    recipe = load_recipe(args.recipe)
+    recipe = load_recipe(args.recipe, check_paths=False)  # serving needs the built engine, not the sources
     serving = serving_settings(recipe, deterministic=deterministic)
     return ((lambda: backends.open_for_recipe(recipe, args.backend, args.triton_url, args.url, serving)),
             args.model_name or recipe.name)

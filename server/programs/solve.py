@@ -93,7 +93,7 @@ async def _main(args: argparse.Namespace) -> int:
     from server.budget import TimeBudget
     from server.problems import log, read_problems, run_problems
 
-    recipe = load_recipe(args.recipe)
+    recipe = load_recipe(args.recipe, check_paths=False)  # serving needs the built engine, not the sources
     serving = serving_settings(recipe)
     problems = read_problems(args.problems)
     out = Path(args.out or f"runs/{recipe.name}/{Path(args.problems).stem}")

@@ -31,7 +31,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--launch", action="store_true", help="run tritonserver after writing the repository")
     args = ap.parse_args(argv)
     try:
-        recipe = load_recipe(args.recipe)
+        recipe = load_recipe(args.recipe, check_paths=False)  # the built engine, not the sources
         engine_dir = recipe.layout.engine("trtllm")
         if not (engine_dir / "engine.json").is_file():
             raise FileNotFoundError(f"{engine_dir}/engine.json: no TensorRT-LLM engine; run "
