@@ -64,6 +64,9 @@ DENSE_TRITON_SPLIT = int(os.environ.get("DENSE_TRITON_SPLIT", "1"))
 # (`silu_dense_linear`: bf16/fp16 weights; the activation's kernel and its launch gone), in the
 # SILU_DOWN_CONFIG tile with SILU_DOWN_SPLIT programs a K loop; the defaults are the down projection's best
 # in bench/kernels-dense-tune-h100.json (1.5B, 64,256,4,3 split 4: 14.2 us against cuBLAS's 14.9). 0: off.
+# Measured on an H100 (bench/gpu-silu-down-h100.json): the 1.5B step 1.65x SLOWER with it on (517 -> 313 tok/s at
+# batch 1): the activation is made in the MMA operand's layout, every warp making the whole 16-row tile a K step
+# for one real row. A GEMV form (the activation made once a K block, a reduction instead of tl.dot) is what is left.
 SILU_DOWN_MAX_ROWS = int(os.environ.get("SILU_DOWN_MAX_ROWS", "0"))
 # ... and weights of at most this many elements (1.5B's down is 13.8M; 7B's and 14B's, 68-71M, are read at
 # ~0.87 of the copy bandwidth by cuBLAS, which this tile was not tuned against)
