@@ -80,7 +80,8 @@ def test_the_split_kernel_is_cuda_only_in_the_graph_runner(tiny_models):
 
     model = load_model(tiny_models["llama-tir"])
     if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match="CUDA kernel"):
+        with pytest.raises(ValueError, match="CUDA kernel"), pytest.MonkeyPatch.context() as mp:
+            mp.setenv("TRITON_INTERPRET", "0")  # the tests run it under the interpreter (test_graph_prefill.py)
             GraphRunner(model, 2, 32, attention="split")
     assert GraphRunner(model, 2, 32, kv_cache_dtype="fp8").attention == "rows"  # the CPU reads it dequantized
     runner = GraphRunner(model, 2, 32)  # auto: the split kernel on CUDA (every step shape), rows on a CPU

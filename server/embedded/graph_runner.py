@@ -63,6 +63,17 @@ ONE_PASS_ENV = "EMBEDDED_SPLIT_ONE_PASS"
 # faster at batch 1 (H100, bench/attention-tune-h100.json). On a CPU, `rows` (the CPU runner's logits).
 
 MIN_CONTEXT_BUCKET = 256
+# Prefill chunks of at most this many tokens run as decode-shaped steps: T tokens of the sequence's row,
+# causal over its cache (the verify form, in the split kernel), in the step's CUDA graph for (context
+# bucket, T), T a power of two of at most STEP_QUERY_ROWS // group tokens a step. The eager prefill pays
+# about fifty launches a layer, each with Python's launch cost: on an H100 the mix's `make solve` spent 15
+# of its engine's 19 s prefilling ~280 chunks of ~6 new tokens (bench/solve-h100.json), slower than the
+# 2-core CPU. Longer chunks stay eager (one pass over the weights for many tokens). 0: off, until measured
+# on a GPU (.gpu/prefill.sh); the step's logits differ from the eager prefill's by the kernels' rounding.
+PREFILL_STEP_ENV = "EMBEDDED_PREFILL_STEP_TOKENS"
+# the split kernel's query tile holds a step's tokens times the group's query heads (64: a 16-row
+# decode tile's registers four times over, the verify's 1+3 tokens at 14B's group of 5 taking 32)
+STEP_QUERY_ROWS = 64
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -262,8 +273,9 @@ class GraphRunner(BaseRunner):
         if attention not in ATTENTION_FORMS:
             raise ValueError(f"GraphRunner: attention must be one of {ATTENTION_FORMS} (got {attention!r}; "
                              f"{ATTENTION_ENV})")
-        if attention == "split" and not cuda:
-            raise ValueError(f"GraphRunner: attention 'split' is a CUDA kernel; on {self.device} use rows or gqa")
+        if attention == "split" and not (cuda or interpreted()):
+            raise ValueError(f"GraphRunner: attention 'split' is a CUDA kernel; on {self.device} use rows or gqa "
+                             "(or run it under TRITON_INTERPRET=1)")
         if attention == "auto":
             attention = "split" if cuda else "rows"  # see `auto` above
         self.attention = attention
@@ -295,6 +307,7 @@ class GraphRunner(BaseRunner):
             cos, sin = self.inner.rotary_emb(probe, pos)  # the model's own RoPE (its scaling included)
         self.cos, self.sin = cos[0].to(self.dtype), sin[0].to(self.dtype)  # [max_seq_len, d]
         self.buckets = batch_buckets(num_slots)
+        self.prefill_step_tokens = int(os.environ.get(PREFILL_STEP_ENV, "0")) if attention == "split" else 0
         self._graphs: dict[tuple[int, int, int, bool], tuple[Any, dict[str, torch.Tensor]]] = {}
         self._pool: Any = None
 
@@ -386,6 +399,41 @@ class GraphRunner(BaseRunner):
                                                attn_mask=mask, scale=self.scale)  # [1, nq, n, d]
             h = layer.post(h, o[0].transpose(0, 1).reshape(n, self.num_heads * self.head_dim))
         return h
+
+    @torch.inference_mode()
+    def prefill(self, slot: int, token_ids: list[int], start: int, hidden: bool = False) -> Any:
+        """BaseRunner.prefill; a chunk of at most `prefill_step_tokens` runs as decode-shaped steps
+        (PREFILL_STEP_ENV), a longer one eagerly."""
+        if not 0 < len(token_ids) <= self.prefill_step_tokens:
+            return super().prefill(slot, token_ids, start, hidden)
+        most = max(1, 1 << ((STEP_QUERY_ROWS // self.group).bit_length() - 1))  # a power of two
+        for at in range(0, len(token_ids), most):
+            logits, normed = self._prefill_step(slot, token_ids[at:at + most], start + at)
+        return (logits, normed) if hidden else logits
+
+    def _prefill_step(self, slot: int, token_ids: list[int], start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """token_ids at positions [start, start+n) of `slot` as one step of T >= n tokens (a power of two):
+        the n write the slot's K/V and attend its keys causally; the T - n padding tokens repeat the last
+        position and write the scratch slot (the kernel reads the row's keys from its first token's slot,
+        up to its furthest position: the padding changes neither). Logits [V] and normed hidden [H] of
+        the last token."""
+        n = len(token_ids)
+        t = 1 << (n - 1).bit_length()
+        end = start + n
+        self.ensure_capacity(end)
+        ids = torch.tensor([list(token_ids) + [0] * (t - n)], dtype=torch.long)
+        pos = torch.tensor([list(range(start, end)) + [end - 1] * (t - n)], dtype=torch.long)
+        rows = torch.tensor([[slot] * n + [self.scratch] * (t - n)], dtype=torch.long)
+        if not self.graphs:
+            dev = self.device
+            logits, normed = self._rows_step(ids.to(dev), pos.to(dev), rows.to(dev), end)
+        else:
+            graph, io = self._graph(1, context_bucket(end, self.max_seq_len), t)
+            for name, src in (("ids", ids), ("pos", pos), ("rows", rows)):
+                copy_into(io[name], src)
+            graph.replay()
+            logits, normed = io["logits"], io["hidden"]
+        return logits[n - 1].clone(), normed[n - 1].clone()  # not views of buffers the next replay rewrites
 
     @torch.inference_mode()
     def decode(self, token_ids: Any, positions: list[int], hidden: bool = False) -> Any:
