@@ -653,8 +653,10 @@ def _session_child(req_fd, status_fd, glob):
     def on_alarm(signum, frame):
         raise CellTimeout()
 
-    threading.Thread(target=channel, name="sandbox-channel", daemon=True).start()
+    channel_thread = threading.Thread(target=channel, name="sandbox-channel", daemon=True)
+    channel_thread.start()
     private.wait()
+    ours = {threading.main_thread().native_id, channel_thread.native_id}
     os.close(req_fd)
     os.close(status_fd)
     _confine_syscalls()
@@ -681,13 +683,16 @@ def _session_child(req_fd, status_fd, glob):
         # the worker stops this process between cells and continues it for the next: a SIGCONT handler the
         # cell left would run then, outside any cell (raising there ended the interpreter, and every restore)
         signal.signal(signal.SIGCONT, signal.SIG_DFL)
-        # threads the cells left running, as the interpreter counts them (a joined thread is gone from the
-        # count when its join returns; /proc still listed it while it exited): a cell that lies here misleads
-        # only its own sample's note
-        reply.put((status, elapsed, max(0, threading.active_count() - 2)))
+        # the kernel thread ids of the threads the cells left running, as the interpreter lists them (a joined
+        # thread is gone from the list when its join returns; /proc still listed it while it exited): ids, not
+        # a count, so that a thread started while an older one ended is still seen as new. A cell that lies
+        # here misleads only its own sample's note
+        left = sorted({t.native_id for t in threading.enumerate()} - ours - {None})
+        reply.put((status, elapsed, left[:MAX_THREAD_IDS]))
         del reply
 
 
+MAX_THREAD_IDS = 4096  # the status frame lists at most this many of a session's left-running threads
 PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
 SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_TSYNC = 1, 1
 SECCOMP_ALLOW, SECCOMP_ERRNO = 0x7FFF0000, 0x00050000
@@ -890,7 +895,9 @@ def _parse_status(raw, nonce):
     if not isinstance(msg, dict) or set(msg) != {"nonce", "status", "seconds", "threads"} or msg["nonce"] != nonce:
         return None
     st, secs, threads = msg["status"], msg["seconds"], msg["threads"]
-    if not isinstance(secs, (int, float)) or not isinstance(st, dict) or type(threads) is not int or threads < 0:
+    if not isinstance(secs, (int, float)) or not isinstance(st, dict) or type(threads) is not list:
+        return None
+    if len(threads) > MAX_THREAD_IDS or not all(type(t) is int and t > 0 for t in threads):
         return None
     if st == {"kind": "timeout"}:
         return msg

@@ -54,7 +54,7 @@ class Session:
         self._wlock = threading.Lock()  # guards _worker and _closed against the restore thread
         self._restore: threading.Thread | None = None
         self._restore_note = ""
-        self._threads = 0  # threads the cells so far left running (the interpreter counts them after each cell)
+        self._threads: set[int] = set()  # ids of the threads the cells so far left running (listed after each cell)
         self._closed = False
         self.restarts = 0
 
@@ -103,9 +103,9 @@ class Session:
     def _threads_started(self, reply: dict) -> str:
         """The note for a cell that left threads running: they run on in later cells (the interpreter is
         stopped between cells) and what they print or do lands there."""
-        threads = int(reply.get("threads") or 0)
-        started, self._threads = threads - self._threads, threads
-        if started <= 0:
+        threads = set(reply.get("threads") or ())
+        started, self._threads = len(threads - self._threads), threads
+        if not started:
             return ""
         return (f"[this cell left {started} thread(s) running; they go on running during later cells, and what they "
                 "print or do lands in those cells]")
@@ -115,7 +115,7 @@ class Session:
         cause (a timer that exits the interpreter fired in whichever cell came next)."""
         if not self._threads:
             return ""
-        return (f"[{self._threads} thread(s) that earlier cells left running were running too: one of them, "
+        return (f"[{len(self._threads)} thread(s) that earlier cells left running were running too: one of them, "
                 "rather than this cell's code, may have ended the session]")
 
     def _start_worker(self) -> Worker | str:
@@ -195,7 +195,7 @@ class Session:
             if self._closed:
                 return False
             w = self._worker
-        self._threads = 0  # the replay counts those the re-run cells leave
+        self._threads = set()  # the replay lists those the re-run cells leave
         if w is not None and not fresh_worker and w.alive():
             try:
                 if w.request({"op": "reset"}, 10.0).get("reset") is True:
@@ -223,7 +223,7 @@ class Session:
             w.new_oom_kills(), w.new_task_limit_hits()
             if reply.get("crashed") or not reply["clean"]:
                 return i, True
-            self._threads = int(reply.get("threads") or 0)
+            self._threads = set(reply.get("threads") or ())
             if reply["status"]["kind"] == "timeout":
                 return i, False
         return len(cells), False

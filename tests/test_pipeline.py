@@ -270,7 +270,7 @@ def test_code_change_is_reported_not_silent_and_force_rebuilds(qwen_build, monke
     capfd.readouterr()
     assert main(["merge", "--recipe", str(qwen_build.path)]) == 0
     err = capfd.readouterr().err
-    assert "trtbuild/quality.py changed since this was built" in err and "FORCE=merge" in err
+    assert "trtbuild/quality.py changed since it was built" in err and "FORCE=merge" in err
     assert _finished(qwen_build.out_dir) == before
     monkeypatch.setattr(stages, "code_hashes", real)
     monkeypatch.setenv(stages.FORCE_ENV, "build")

@@ -421,6 +421,16 @@ def test_threads_a_session_cell_leaves_are_said_and_a_later_crash_names_them(poo
         for _ in range(20):    # thread still listed while it exited: CI saw a note for it)
             r = s.run("import threading\nt = threading.Thread(target=print, args=('hi',))\nt.start()\nt.join()")
             assert r.ok and r.stdout.text == "hi\n" and "thread" not in r.note, r
+    with pool.session() as s:  # a thread started while an older one ends is still new (review52 S1: a net count
+        # of threads, 1 before and 1 after, said nothing of it)
+        r = s.run("import threading\nstop_old, stop_new = threading.Event(), threading.Event()\n"
+                  "old = threading.Thread(target=stop_old.wait, daemon=True)\nold.start()", timeout=5)
+        assert r.ok and "this cell left 1 thread(s) running" in r.note, r
+        r = s.run("stop_old.set()\nold.join()\n"
+                  "threading.Thread(target=stop_new.wait, daemon=True).start()", timeout=5)
+        assert r.ok and "this cell left 1 thread(s) running" in r.note, r
+        r = s.run("stop_new.set()", timeout=5)
+        assert r.ok and "thread" not in r.note, r
 
 
 # Every descriptor a session cell could reach the control channel by: fd numbers of its own process

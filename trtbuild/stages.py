@@ -139,11 +139,12 @@ def current(name: str, folder: Path, fp: str) -> bool:
     mf.touch(folder)
     recorded = manifest.get("code") or {}
     changed = sorted(k for k, v in code_hashes(name).items() if recorded.get(k, v) != v)
-    mf.log(name, f"up to date ({folder})")
-    if changed:
-        mf.log(name, f"note: {', '.join(changed)} changed since this was built; the output is kept because the "
-                     f"stage's VERSION is the same. Rebuild it with FORCE={stage(name).name} (make) or "
-                     f"{FORCE_ENV}={stage(name).name}")
+    if changed:  # informational: a change of a stage's output bumps its VERSION, which changes the fingerprint
+        mf.log(name, f"up to date ({folder}), kept: {', '.join(changed)} changed since it was built but not the "
+                     f"stage's VERSION, so its output holds (FORCE={stage(name).name} rebuilds it anyway; "
+                     f"{FORCE_ENV} outside make)")
+    else:
+        mf.log(name, f"up to date ({folder})")
     return True
 
 
