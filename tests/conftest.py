@@ -16,13 +16,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from hang_guard import fail_after, protocol_guard  # noqa: E402
+from hang_guard import fail_after, phase_guards  # noqa: E402
 
 # Every test fails (stacks dumped) rather than hang the suite past CI's limit: 10 minutes, 15 times the
 # slowest test on a 2-core box. A module that starts servers narrows it with its own `hang_guard`.
 hang_guard = fail_after(600)
 # ... and with its fixtures of every scope (servers, models), which the function-scoped guard does not see
-pytest_runtest_protocol = protocol_guard(900)
+pytest_runtest_setup, pytest_runtest_call, pytest_runtest_teardown = phase_guards(900)
 
 
 @pytest.fixture(scope="session")

@@ -33,7 +33,9 @@ def test_short_prefill_chunks_as_steps_match_the_eager_prefill(tiny_models, monk
     assert steps.group == 2  # 64 query rows a step: at most 32 tokens, so the 40-token chunk takes two steps
     g = torch.Generator().manual_seed(3)
     prompt = torch.randint(3, 200, (125,), generator=g).tolist()
-    slot, tol = 2, 1e-4
+    # on CUDA the split kernel's float32 dots run as TF32 (test_decode_attention.py's tolerance); the
+    # interpreter computes them in float32
+    slot, tol = 2, 3e-3 if CUDA else 1e-4
     # one token (T 1, the decode graph's shape), 4 + 1 padding, 19 -> 32, 40 -> 32 + 8, then 61: past 48, eager
     for start, end in ((0, 1), (1, 5), (5, 24), (24, 64), (64, 125)):
         (la, ha), (lb, hb) = (r.prefill(slot, prompt[start:end], start, hidden=True) for r in (eager, steps))
@@ -41,7 +43,7 @@ def test_short_prefill_chunks_as_steps_match_the_eager_prefill(tiny_models, monk
         torch.testing.assert_close(hb, ha, rtol=tol, atol=tol)
         for i in range(len(eager.k)):
             for a, b in ((eager.k[i], steps.k[i]), (eager.v[i], steps.v[i])):
-                torch.testing.assert_close(b[slot, :, :end], a[slot, :, :end], rtol=1e-3, atol=1e-3)
+                torch.testing.assert_close(b[slot, :, :end], a[slot, :, :end], rtol=3 * tol, atol=3 * tol)
                 assert not b[slot, :, end:].any()  # nothing past the prompt in the sequence's slot
                 others = [s for s in range(4) if s != slot]
                 assert not b[others].any()  # nor in any other sequence's (padding goes to scratch, slot 4)

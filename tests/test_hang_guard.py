@@ -43,18 +43,33 @@ def test_a_module_fixture_that_hangs_fails_its_test_and_the_next_module_runs(tmp
     (tmp_path / "conftest.py").write_text(
         "import sys\n"
         f"sys.path.insert(0, {str(TESTS)!r})\n"
-        "from hang_guard import protocol_guard\n"
-        "pytest_runtest_protocol = protocol_guard(1)\n")
+        "from hang_guard import phase_guards\n"
+        "pytest_runtest_setup, pytest_runtest_call, pytest_runtest_teardown = phase_guards(1)\n")
     (tmp_path / "test_a_server.py").write_text(
         "import threading, pytest\n"
         "@pytest.fixture(scope='module')\n"
         "def server():\n"
         "    threading.Event().wait()\n"
         "def test_uses_the_server(server):\n"
+        "    pass\n"
+        "def test_uses_it_too(server):\n"  # the module fixture's failure is cached: its own error, not pytest's
+        "    pass\n"
+        "@pytest.fixture(scope='module')\n"
+        "def stuck_at_teardown():\n"
+        "    yield\n"
+        "    threading.Event().wait()\n"
+        "@pytest.fixture(scope='module')\n"
+        "def cleaned_up():\n"
+        "    yield\n"
+        "    open('cleaned', 'w').close()\n"
+        "def test_whose_fixtures_end_badly(cleaned_up, stuck_at_teardown):\n"
         "    pass\n")
     (tmp_path / "test_b_after.py").write_text("def test_after_it():\n    pass\n")
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
     out = run.stdout + run.stderr
     assert run.returncode == 1, out
-    assert "1 passed, 1 error" in out and "test_uses_the_server with its fixtures exceeded 1s" in out, out
+    assert "2 passed, 3 errors" in out, out
+    assert "test_uses_the_server (setup) exceeded 1s" in out and "INTERNALERROR" not in out, out
+    assert out.count("(setup) exceeded 1s") >= 2 and "test_whose_fixtures_end_badly (teardown) exceeded 1s" in out
+    assert (tmp_path / "cleaned").exists()  # the other finalizer still ran

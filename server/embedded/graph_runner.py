@@ -308,7 +308,7 @@ class GraphRunner(BaseRunner):
         self.cos, self.sin = cos[0].to(self.dtype), sin[0].to(self.dtype)  # [max_seq_len, d]
         self.buckets = batch_buckets(num_slots)
         self.prefill_step_tokens = int(os.environ.get(PREFILL_STEP_ENV, "0")) if attention == "split" else 0
-        self._graphs: dict[tuple[int, int, int, bool], tuple[Any, dict[str, torch.Tensor]]] = {}
+        self._graphs: dict[tuple[int, int, int, bool, bool], tuple[Any, dict[str, torch.Tensor]]] = {}
         self._pool: Any = None
 
     # ---- forward pieces
@@ -406,7 +406,8 @@ class GraphRunner(BaseRunner):
         (PREFILL_STEP_ENV), a longer one eagerly."""
         if not 0 < len(token_ids) <= self.prefill_step_tokens:
             return super().prefill(slot, token_ids, start, hidden)
-        most = max(1, 1 << ((STEP_QUERY_ROWS // self.group).bit_length() - 1))  # a power of two
+        self.ensure_capacity(start + len(token_ids))  # before any step writes: a chunk too long writes nothing
+        most = 1 << max(0, (STEP_QUERY_ROWS // self.group).bit_length() - 1)  # a power of two, at least 1
         for at in range(0, len(token_ids), most):
             logits, normed = self._prefill_step(slot, token_ids[at:at + most], start + at)
         return (logits, normed) if hidden else logits
@@ -428,7 +429,7 @@ class GraphRunner(BaseRunner):
             dev = self.device
             logits, normed = self._rows_step(ids.to(dev), pos.to(dev), rows.to(dev), end)
         else:
-            graph, io = self._graph(1, context_bucket(end, self.max_seq_len), t)
+            graph, io = self._graph(1, context_bucket(end, self.max_seq_len), t, prefill=True)
             for name, src in (("ids", ids), ("pos", pos), ("rows", rows)):
                 copy_into(io[name], src)
             graph.replay()
@@ -499,11 +500,14 @@ class GraphRunner(BaseRunner):
         graph.replay()
         return io["drafts"][:n], io["logits"].view(b, t, -1)[:n], io["hidden"].view(b, t, -1)[:n]
 
-    def _graph(self, b: int, ctx: int, t: int, draft: Optional[Callable[..., torch.Tensor]] = None
-               ) -> tuple[Any, dict[str, torch.Tensor]]:
+    def _graph(self, b: int, ctx: int, t: int, draft: Optional[Callable[..., torch.Tensor]] = None,
+               prefill: bool = False) -> tuple[Any, dict[str, torch.Tensor]]:
         """The captured step for (batch bucket, context bucket, tokens per row), captured on first use;
-        with `draft`, the drafting of the row's tokens after its first one is part of the graph."""
-        key = (b, ctx, t, draft is not None)
+        with `draft`, the drafting of the row's tokens after its first one is part of the graph. Prefill
+        steps have graphs of their own: the speculative step keeps each row's hidden state as a view of its
+        step's output until the next step drafts from it, and a prefill between the two (an admission)
+        must not replay that graph."""
+        key = (b, ctx, t, draft is not None, prefill)
         if key in self._graphs:
             return self._graphs[key]
         dev = self.device
