@@ -687,8 +687,12 @@ def _session_child(req_fd, status_fd, glob):
         # thread is gone from the list when its join returns; /proc still listed it while it exited): ids, not
         # a count, so that a thread started while an older one ended is still seen as new. A cell that lies
         # here misleads only its own sample's note
-        left = sorted({t.native_id for t in threading.enumerate()} - ours - {None})
-        reply.put((status, elapsed, left[:MAX_THREAD_IDS]))
+        try:  # a cell can patch threading: the note is then wrong for its sample, the session goes on
+            left = sorted({i for i in (t.native_id for t in threading.enumerate()) if type(i) is int and i > 0}
+                          - ours)[-MAX_THREAD_IDS:]  # the newest ids, where a cell left more than the frame holds
+        except BaseException:
+            left = []
+        reply.put((status, elapsed, left))
         del reply
 
 

@@ -431,6 +431,11 @@ def test_threads_a_session_cell_leaves_are_said_and_a_later_crash_names_them(poo
         assert r.ok and "this cell left 1 thread(s) running" in r.note, r
         r = s.run("stop_new.set()", timeout=5)
         assert r.ok and "thread" not in r.note, r
+        # a cell that breaks threading's bookkeeping gets no note; its session goes on (it was a crash)
+        r = s.run("threading.enumerate = None\nv = 7", timeout=5)
+        assert r.ok and not r.restarted, r
+        r = s.run("print(v)", timeout=5)
+        assert r.ok and r.stdout.text == "7\n", r
 
 
 # Every descriptor a session cell could reach the control channel by: fd numbers of its own process
