@@ -287,20 +287,31 @@ def _unit(device: torch.device) -> torch.Tensor:
     return torch.ones((), dtype=torch.float32, device=device)
 
 
+def _row_count(x: torch.Tensor) -> int:
+    return x.numel() // max(1, x.shape[-1])
+
+
 @functools.lru_cache(maxsize=None)
-def _dense_configs() -> dict[int, tuple[int, int, int, int]]:
-    return parse_configs(os.environ.get(DENSE_TRITON_CONFIG, "16,256,4,3"), DENSE_TRITON_CONFIG)
+def _env_configs(env: str, default: str) -> dict[int, tuple[int, int, int, int]]:
+    """A 16-bit GEMM's Triton tile bands from `env` (parse_configs' form), else `default`'s."""
+    return parse_configs(os.environ.get(env, default), env)
+
+
+def _triton_takes(x: torch.Tensor, weight: torch.Tensor, max_rows: int, max_elements: int) -> bool:
+    """Whether a 16-bit GEMM of x on `weight` runs the Triton kernel: on CUDA, at most `max_rows` rows of a
+    weight of at most `max_elements`, both of one 16-bit dtype, the weight's rows contiguous."""
+    return (x.is_cuda and 0 < _row_count(x) <= max_rows and weight.numel() <= max_elements
+            and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16) and weight.stride(1) == 1
+            and available()["w8a16"])
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for a 16-bit weight: on CUDA at most DENSE_TRITON_MAX_ROWS rows of a weight
     of at most DENSE_TRITON_MAX_ELEMENTS run the weight-only Triton kernel (fp32 accumulation; DENSE_TRITON_SPLIT
     programs a K loop, 0 for the kernel's own choice), everything else cuBLAS."""
-    rows = x.numel() // max(1, x.shape[-1])
-    if (x.is_cuda and 0 < rows <= DENSE_TRITON_MAX_ROWS and weight.numel() <= DENSE_TRITON_MAX_ELEMENTS
-            and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16) and weight.stride(1) == 1
-            and available()["w8a16"]):
-        return weight_only_linear(x, weight, _unit(x.device), bias, config=band_config(_dense_configs(), rows),
+    if _triton_takes(x, weight, DENSE_TRITON_MAX_ROWS, DENSE_TRITON_MAX_ELEMENTS):
+        return weight_only_linear(x, weight, _unit(x.device), bias,
+                                  config=band_config(_env_configs(DENSE_TRITON_CONFIG, "16,256,4,3"), _row_count(x)),
                                   split=DENSE_TRITON_SPLIT or None)
     return F.linear(x, weight, bias)
 
@@ -309,16 +320,8 @@ def silu_dense_applies(gate_up: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `silu_dense_linear` runs the fused Triton kernel for this [gate | up] input and 16-bit weight
     (CUDA, at most SILU_DOWN_MAX_ROWS rows and SILU_DOWN_MAX_ELEMENTS weights); where it does not, the
     caller keeps silu_mul + its GEMM."""
-    rows = gate_up.numel() // max(1, gate_up.shape[-1])
-    return (gate_up.is_cuda and 0 < rows <= SILU_DOWN_MAX_ROWS and weight.numel() <= SILU_DOWN_MAX_ELEMENTS
-            and gate_up.dtype == weight.dtype
-            and gate_up.dtype in (torch.bfloat16, torch.float16) and weight.stride(1) == 1
-            and gate_up.shape[-1] == 2 * weight.shape[1] and available()["w8a16"])
-
-
-@functools.lru_cache(maxsize=None)
-def _silu_down_configs() -> dict[int, tuple[int, int, int, int]]:
-    return parse_configs(os.environ.get(SILU_DOWN_CONFIG, "64,256,4,3"), SILU_DOWN_CONFIG)
+    return (gate_up.shape[-1] == 2 * weight.shape[1]
+            and _triton_takes(gate_up, weight, SILU_DOWN_MAX_ROWS, SILU_DOWN_MAX_ELEMENTS))
 
 
 def silu_dense_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None
@@ -326,10 +329,9 @@ def silu_dense_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: Optiona
     """`F.linear(silu(gate) * up, weight, bias)` for gate_up [..., 2K] and a 16-bit weight [N, K]: the
     activation made inside the GEMM's loads (SILU_DOWN_SPLIT programs a K loop and their reduction), one
     launch fewer than `fused_ops.silu_mul` followed by the GEMM. Callers check `silu_dense_applies`."""
-    rows = gate_up.numel() // max(1, gate_up.shape[-1])
     return weight_only_linear(gate_up, weight, _unit(gate_up.device), bias,
-                              config=band_config(_silu_down_configs(), rows), split=SILU_DOWN_SPLIT or None,
-                              silu_gated=True)
+                              config=band_config(_env_configs(SILU_DOWN_CONFIG, "64,256,4,3"), _row_count(gate_up)),
+                              split=SILU_DOWN_SPLIT or None, silu_gated=True)
 
 
 def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor] = None,

@@ -421,20 +421,26 @@ class GraphRunner(BaseRunner):
         n = len(token_ids)
         t = 1 << (n - 1).bit_length()
         end = start + n
-        self.ensure_capacity(end)
         ids = torch.tensor([list(token_ids) + [0] * (t - n)], dtype=torch.long)
         pos = torch.tensor([list(range(start, end)) + [end - 1] * (t - n)], dtype=torch.long)
         rows = torch.tensor([[slot] * n + [self.scratch] * (t - n)], dtype=torch.long)
+        logits, normed = self._run_rows(ids, pos, rows, end, prefill=True)
+        return logits[n - 1].clone(), normed[n - 1].clone()  # not views of buffers the next replay rewrites
+
+    def _run_rows(self, ids: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor, longest: int,
+                  prefill: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_rows_step` on ids, pos, rows [B, T] (B a batch bucket with graphs) reading keys up to `longest`:
+        eagerly, or as a replay of the captured step for its (B, context bucket, T) (`prefill`: the prefill
+        steps' own graphs). Logits [B*T, V] and normed hidden [B*T, H]."""
         if not self.graphs:
             dev = self.device
-            logits, normed = self._rows_step(ids.to(dev), pos.to(dev), rows.to(dev), end)
-        else:
-            graph, io = self._graph(1, context_bucket(end, self.max_seq_len), t, prefill=True)
-            for name, src in (("ids", ids), ("pos", pos), ("rows", rows)):
-                copy_into(io[name], src)
-            graph.replay()
-            logits, normed = io["logits"], io["hidden"]
-        return logits[n - 1].clone(), normed[n - 1].clone()  # not views of buffers the next replay rewrites
+            return self._rows_step(ids.to(dev), pos.to(dev), rows.to(dev), longest)
+        b, t = ids.shape
+        graph, io = self._graph(b, context_bucket(longest, self.max_seq_len), t, prefill=prefill)
+        for name, src in (("ids", ids), ("pos", pos), ("rows", rows)):  # queued, not waited for
+            copy_into(io[name], src)
+        graph.replay()
+        return io["logits"], io["hidden"]
 
     @torch.inference_mode()
     def decode(self, token_ids: Any, positions: list[int], hidden: bool = False) -> Any:
@@ -453,7 +459,6 @@ class GraphRunner(BaseRunner):
         self.ensure_capacity(longest)
         # buckets only where graphs need them: masked padding keys change the CPU kernel's summation order
         b = bucket(n, self.buckets) if self.graphs else n
-        ctx = context_bucket(longest, self.max_seq_len) if self.graphs else longest
         pad = b - n
         if isinstance(token_rows, torch.Tensor):  # drafts still on the device: no host round trip
             ids = torch.cat([token_rows, token_rows.new_zeros((pad, t))]) if pad else token_rows
@@ -461,15 +466,7 @@ class GraphRunner(BaseRunner):
             ids = torch.tensor([list(r) for r in token_rows] + [[0] * t] * pad, dtype=torch.long)
         pos = torch.tensor(list(starts) + [0] * pad, dtype=torch.long).view(b, 1) + torch.arange(t)
         rows = torch.tensor(list(range(n)) + [self.scratch] * pad, dtype=torch.long).view(b, 1).expand(b, t)
-        if not self.graphs:
-            dev = self.device
-            logits, normed = self._rows_step(ids.to(dev), pos.to(dev), rows.to(dev), ctx)
-        else:
-            graph, io = self._graph(b, ctx, t)
-            for name, src in (("ids", ids), ("pos", pos), ("rows", rows)):  # queued, not waited for
-                copy_into(io[name], src)
-            graph.replay()
-            logits, normed = io["logits"], io["hidden"]
+        logits, normed = self._run_rows(ids, pos, rows, longest)
         logits = logits.view(b, t, -1)[:n]
         return (logits, normed.view(b, t, -1)[:n]) if hidden else logits
 
